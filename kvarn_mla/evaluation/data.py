@@ -1,0 +1,82 @@
+"""Real-code corpus: the running interpreter's own standard library, split by file.
+
+The reference models are trained on the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (no
+download needed, and every Python install has them). ``site-packages`` and ``__pycache__`` are skipped,
+as are files that are not valid UTF-8 (a few test fixtures are deliberately broken).
+
+The split is by file, from a SHA-256 hash of the POSIX relative path, so it is deterministic, needs no
+state, and a file never contributes to both sides. Held-out numbers therefore depend on the Python version
+whose stdlib is read; the training script records it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CODE_HELD_OUT_PERCENT", "CodeFile", "code_split", "read_code_files", "stdlib_root"]
+
+CODE_HELD_OUT_PERCENT = 5
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class CodeFile:
+    """One source file of the corpus.
+
+    Attributes:
+        path: POSIX path relative to the stdlib root (the split key).
+        text: file contents.
+    """
+
+    path: str
+    text: str
+
+
+def stdlib_root() -> Path:
+    """Directory of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def code_split(relpath: str) -> str:
+    """``"held_out"`` for ``CODE_HELD_OUT_PERCENT`` percent of files (by SHA-256 of ``relpath``), else ``"train"``."""
+    bucket = int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:8], "big") % 100
+    return "held_out" if bucket < CODE_HELD_OUT_PERCENT else "train"
+
+
+def read_code_files(split: str, root: Path | None = None) -> list[CodeFile]:
+    """All corpus files of one split, sorted by relative path.
+
+    Args:
+        split: ``"train"`` or ``"held_out"``.
+        root: directory to read (default: :func:`stdlib_root`).
+
+    Returns:
+        The files; empty files and files that are not UTF-8 are left out.
+    """
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split=}")
+    root = stdlib_root() if root is None else Path(root)
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if _SKIP_DIRS.intersection(rel.parts[:-1]) or not p.is_file():
+            continue
+        relpath = rel.as_posix()
+        if code_split(relpath) != split:
+            continue
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            files.append(CodeFile(relpath, text))
+    return files
+
+
+def corpus_info() -> dict[str, object]:
+    """Provenance of the corpus for metrics files: Python version and stdlib path."""
+    return {"python": sys.version.split()[0], "stdlib": str(stdlib_root())}

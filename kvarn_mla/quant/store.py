@@ -1,0 +1,330 @@
+"""Per-stream token storage: a full-precision stream, and the KVarN tiled stream (sink | quantized tiles | tail).
+
+A layer of the cache holds two streams (dense: K and V; MLA: the latent ``c_kv`` and the RoPE key ``k_pe``). Each
+stream stores ``[B, H, T, D]`` tokens and answers the two attention products over all of them, ``scores(q)`` and
+``weighted_sum(p)``, without ever building a dequantized copy of its tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .folded import folded_scores, folded_values
+from .hadamard import rotate
+from .rtn import packed_width
+from .tile import METADATA_DTYPE, Axis, QuantizedTile, check_axis, dequantize_tile, metadata_overflow, quantize_tile
+
+GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What one stream of a layer holds.
+
+    Attributes:
+        name: ``"key"``, ``"value"``, ``"latent"``, ``"rope"`` or ``"indexer"``.
+        num_heads: H, kv heads of the stream (1 for the MLA streams).
+        dim: D, channels per head.
+        bits: 2, 3, 4, 8, or 16 for full precision.
+        axis: ``"channel"`` (keys, MLA) or ``"token"`` (values).
+    """
+
+    name: str
+    num_heads: int
+    dim: int
+    bits: int
+    axis: Axis
+
+    def __post_init__(self) -> None:
+        check_axis(self.axis)
+
+    def tile_nbytes(self, tile_size: int) -> int:
+        """Bytes of one quantized tile of one head: codes + scale + zero (fp16, per row) + gamma (fp16, per column)."""
+        rows, cols = (self.dim, tile_size) if self.axis == "channel" else (tile_size, self.dim)
+        return tile_size * packed_width(self.dim, self.bits) + 2 * (2 * rows + cols)
+
+
+class GrowableTensor:
+    """A tensor that grows along dim 2 (``[B, H, n, ...]``) into spare capacity, so appends stay amortized O(1)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        return None if self._buffer is None else self._buffer[:, :, : self.length]
+
+    def append(self, x: torch.Tensor) -> None:
+        needed = self.length + x.shape[2]
+        if self._buffer is None or needed > self._buffer.shape[2]:
+            capacity = max(needed, int(self.length * GROWTH) + 1)
+            buffer = x.new_empty(x.shape[:2] + (capacity,) + x.shape[3:])
+            if self.length:
+                buffer[:, :, : self.length] = self.data
+            self._buffer = buffer
+        self._buffer[:, :, self.length : needed] = x
+        self.length = needed
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def map_batch(self, fn) -> None:
+        """Replace the storage by ``fn(live data)`` along the batch axis (beam reorder, batch selection)."""
+        if self._buffer is not None:
+            self._buffer = fn(self.data).contiguous()
+
+    def nbytes(self) -> int:
+        data = self.data
+        return 0 if data is None else data.numel() * data.element_size()
+
+    def allocated_nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+
+
+class DenseStream:
+    """A stream kept entirely in the model dtype (bits = 16), e.g. the exact MLA RoPE key or the DSA indexer keys."""
+
+    def __init__(self, spec: StreamSpec) -> None:
+        self.spec = spec
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = GrowableTensor()
+
+    @property
+    def length(self) -> int:
+        return self.tokens.length
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x [B, H, S, D]``."""
+        self.tokens.append(x)
+
+    def flush(self, token_valid: torch.Tensor | None = None) -> None:
+        """Nothing to quantize."""
+
+    def pending_tiles(self) -> int:
+        return 0
+
+    def full(self) -> torch.Tensor:
+        """All tokens, ``[B, H, T, D]`` in the model dtype (a view, no copy)."""
+        return self.tokens.data
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, M, D]`` float32 -> ``[B, H, M, T]`` float32 dot products with every token."""
+        return q @ self.tokens.data.float().transpose(-1, -2)
+
+    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
+        """``p [B, H, M, T]`` float32 -> ``[B, H, M, D]`` float32."""
+        return p @ self.tokens.data.float()
+
+    def crop(self, length: int) -> None:
+        self.tokens.truncate(length)
+
+    def map_batch(self, fn) -> None:
+        self.tokens.map_batch(fn)
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes()
+
+    def allocated_nbytes(self) -> int:
+        return self.tokens.allocated_nbytes()
+
+
+class TiledStream:
+    """A KVarN-quantized stream: ``sink`` (full precision) | ``tiles`` (quantized) | ``tail`` (full precision).
+
+    New tokens fill the sink first, then go to the tail. `flush` quantizes every full tile at the front of the tail
+    (once; a tile is never re-quantized unless `crop` cuts into it). Quantized tiles are stored rotated (when
+    ``hadamard``); the sink and tail hold the model's tokens unchanged.
+    """
+
+    def __init__(self, spec: StreamSpec, tile_size: int, sink_tokens: int, varnorm_iters: int, hadamard: bool):
+        if spec.bits >= 16:
+            raise ValueError(f"a TiledStream quantizes; use DenseStream for bits={spec.bits}")
+        self.spec = spec
+        self.tile_size = tile_size
+        self.sink_tokens = sink_tokens
+        self.varnorm_iters = varnorm_iters
+        self.hadamard = hadamard
+        self.reset()
+
+    def reset(self) -> None:
+        self.sink: torch.Tensor | None = None  # [B, H, <=sink_tokens, D]
+        self.tail: torch.Tensor | None = None  # [B, H, t, D]
+        self.dtype: torch.dtype | None = None  # the model dtype of sink and tail
+        self._codes, self._scale, self._zero, self._gamma = (GrowableTensor() for _ in range(4))
+        self._tile_stores = (self._codes, self._scale, self._zero, self._gamma)
+
+    # ---- sizes -------------------------------------------------------------------------------------------------
+    @property
+    def num_tiles(self) -> int:
+        return self._codes.length
+
+    @property
+    def sink_length(self) -> int:
+        return 0 if self.sink is None else self.sink.shape[2]
+
+    @property
+    def tail_length(self) -> int:
+        return 0 if self.tail is None else self.tail.shape[2]
+
+    @property
+    def tail_start(self) -> int:
+        """Absolute position of the first tail token."""
+        return self.sink_length + self.num_tiles * self.tile_size
+
+    @property
+    def length(self) -> int:
+        return self.tail_start + self.tail_length
+
+    @property
+    def tiles(self) -> QuantizedTile:
+        """The quantized tiles, leading shape ``[B, H, N]`` (views of the storage)."""
+        return QuantizedTile(self._codes.data, self._scale.data, self._zero.data, self._gamma.data)
+
+    def pending_tiles(self) -> int:
+        """Full tiles waiting in the tail for `flush`."""
+        return self.tail_length // self.tile_size if self.sink_length >= self.sink_tokens else 0
+
+    # ---- writes ------------------------------------------------------------------------------------------------
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x [B, H, S, D]`` (model dtype) to the sink, then the tail; quantization waits for `flush`."""
+        self.dtype = x.dtype
+        room = self.sink_tokens - self.sink_length
+        if room > 0:
+            head, x = x[:, :, :room], x[:, :, room:]
+            self.sink = head.clone() if self.sink is None else torch.cat([self.sink, head], 2)
+        if x.shape[2]:
+            self.tail = x.clone() if self.tail is None else torch.cat([self.tail, x], 2)
+
+    def flush(self, token_valid: torch.Tensor | None = None) -> None:
+        """Quantize every full tile at the front of the tail.
+
+        Args:
+            token_valid: Optional ``[B, T]`` bool over absolute positions (T >= this stream's length); False marks
+                padding, which is left out of the tiles' statistics.
+
+        Raises:
+            ValueError: if a tile's metadata overflows fp16 (|values| beyond ~6.5e4); the stream is then unchanged.
+        """
+        count = self.pending_tiles()
+        if count == 0:
+            return
+        batch, heads, _, dim = self.tail.shape
+        size = count * self.tile_size
+        x = self.tail[:, :, :size].reshape(batch, heads, count, self.tile_size, dim)
+        valid = None
+        if token_valid is not None:
+            start = self.tail_start
+            valid = token_valid[:, start : start + size].reshape(batch, 1, count, self.tile_size)
+            valid = None if bool(valid.all()) else valid.expand(batch, heads, count, self.tile_size)
+        tile = quantize_tile(
+            x, self.spec.bits, self.spec.axis,
+            varnorm_iters=self.varnorm_iters, hadamard=self.hadamard, token_valid=valid,
+        )
+        largest = metadata_overflow(tile)
+        if largest is not None:
+            raise ValueError(
+                f"kvarn: {self.spec.name} values too large to quantize with fp16 scales (metadata magnitude "
+                f"{largest:.3g} > 65504); the cache was left unchanged"
+            )
+        tile = tile.to_metadata_dtype()
+        for store, part in zip(self._tile_stores, tile.parts()):
+            store.append(part)
+        self.tail = self.tail[:, :, size:].clone()
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens. A tile the cut falls inside goes back to the tail, dequantized."""
+        if length >= self.length:
+            return
+        if length >= self.tail_start:
+            self.tail = self.tail[:, :, : length - self.tail_start].clone()
+            return
+        if length <= self.sink_length:
+            self.sink = self.sink[:, :, :length].clone()
+            self.tail = None
+            for store in self._tile_stores:
+                store.truncate(0)
+            return
+        keep, cut = divmod(length - self.sink_length, self.tile_size)
+        partial = None
+        if cut:
+            tile = QuantizedTile(*(t[:, :, keep] for t in self.tiles.parts()))
+            restored = dequantize_tile(tile, self.spec.bits, self.spec.axis, self.spec.dim, hadamard=self.hadamard)
+            partial = restored[:, :, :cut].to(self.dtype)
+        for store in self._tile_stores:
+            store.truncate(keep)
+        self.tail = partial
+
+    def map_batch(self, fn) -> None:
+        """Apply ``fn`` along the batch axis of every tensor (beam reorder, batch selection)."""
+        if self.sink is not None:
+            self.sink = fn(self.sink).contiguous()
+        if self.tail is not None:
+            self.tail = fn(self.tail).contiguous()
+        for store in self._tile_stores:
+            store.map_batch(fn)
+
+    # ---- reads -------------------------------------------------------------------------------------------------
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sink, tiles = self.sink_length, self.num_tiles * self.tile_size
+        return t[..., :sink], t[..., sink : sink + tiles], t[..., sink + tiles :]
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, M, D]`` float32 -> ``[B, H, M, T]`` float32 dot products with every stored token."""
+        parts = []
+        if self.sink is not None:
+            parts.append(q @ self.sink.float().transpose(-1, -2))
+        if self.num_tiles:
+            q_tiles = rotate(q) if self.hadamard else q
+            parts.append(folded_scores(q_tiles, self.tiles, self.spec.bits, self.spec.axis, self.spec.dim))
+        if self.tail is not None:
+            parts.append(q @ self.tail.float().transpose(-1, -2))
+        return torch.cat(parts, -1)
+
+    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
+        """``p [B, H, M, T]`` float32 -> ``[B, H, M, D]`` float32, the probability-weighted sum of the tokens."""
+        p_sink, p_tiles, p_tail = self._split(p)
+        out = p.new_zeros(p.shape[:-1] + (self.spec.dim,))
+        if self.num_tiles:
+            out = folded_values(p_tiles, self.tiles, self.spec.bits, self.spec.axis, self.spec.dim)
+            out = rotate(out) if self.hadamard else out  # back from the rotated basis
+        if self.sink is not None:
+            out = out + p_sink @ self.sink.float()
+        if self.tail is not None:
+            out = out + p_tail @ self.tail.float()
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """Every token as the attention sees it, ``[B, H, T, D]`` float32 (for tests and `fake_quantize` only)."""
+        parts = [] if self.sink is None else [self.sink.float()]
+        if self.num_tiles:
+            tiles = dequantize_tile(self.tiles, self.spec.bits, self.spec.axis, self.spec.dim, hadamard=self.hadamard)
+            parts.append(tiles.flatten(2, 3))
+        if self.tail is not None:
+            parts.append(self.tail.float())
+        return torch.cat(parts, 2)
+
+    # ---- bytes -------------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of everything stored: sink, tail, codes and fp16 metadata (spare capacity excluded)."""
+        fp = sum(t.numel() * t.element_size() for t in (self.sink, self.tail) if t is not None)
+        return fp + sum(s.nbytes() for s in self._tile_stores)
+
+    def allocated_nbytes(self) -> int:
+        """`nbytes` plus the spare capacity reserved for future tiles."""
+        fp = sum(t.numel() * t.element_size() for t in (self.sink, self.tail) if t is not None)
+        return fp + sum(s.allocated_nbytes() for s in self._tile_stores)
+
+
+def make_stream(spec: StreamSpec, tile_size: int, sink_tokens: int, varnorm_iters: int, hadamard: bool):
+    """A `DenseStream` for 16-bit specs, a `TiledStream` otherwise."""
+    if spec.bits >= 16:
+        return DenseStream(spec)
+    return TiledStream(spec, tile_size, sink_tokens, varnorm_iters, hadamard)
+
+
+__all__ = ["StreamSpec", "DenseStream", "TiledStream", "GrowableTensor", "make_stream", "METADATA_DTYPE"]

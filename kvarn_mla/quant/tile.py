@@ -1,0 +1,108 @@
+"""The KVarN tile: rotate, variance-normalize, RTN, pack, and the matching dequantization.
+
+A tile is ``G`` consecutive tokens of one head's stream, ``x [G, D]``, always stored token-major (``codes [G, D]``
+packed along channels). What differs between keys and values is the quantization axis:
+
+* ``axis="channel"`` (keys, the MLA latent and RoPE key): rows are channels, each quantized over the G tokens.
+  ``scale``/``zero`` are per channel ``[D]``, ``gamma`` per token ``[G]``.
+* ``axis="token"`` (values): rows are tokens, each quantized over the D channels.
+  ``scale``/``zero`` are per token ``[G]``, ``gamma`` per channel ``[D]``.
+
+Either way the (rotated) tile is reconstructed as ``x̂ = (code * scale_row + zero_row) * gamma_col``: the RTN step
+and minimum absorb the row normalization scale, ``gamma`` is the column normalization scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .hadamard import rotate
+from .rtn import pack, quantize_rows, unpack
+from .varnorm import variance_normalize
+
+Axis = Literal["channel", "token"]
+AXES = ("channel", "token")
+METADATA_DTYPE = torch.float16  # scale, zero and gamma as stored in the cache
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass
+class QuantizedTile:
+    """Quantized tiles with any leading batch shape ``[...]``.
+
+    Attributes:
+        codes: ``[..., G, packed_width(D, bits)]`` uint8, token-major codes packed along channels.
+        scale: ``[..., R]`` per-row RTN step times the row normalization scale (R = D for channel axis, G for token).
+        zero: ``[..., R]`` per-row minimum times the row normalization scale.
+        gamma: ``[..., C]`` per-column normalization scale (C = G for channel axis, D for token).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    gamma: torch.Tensor
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero, self.gamma
+
+    def to_metadata_dtype(self) -> QuantizedTile:
+        return QuantizedTile(self.codes, *(t.to(METADATA_DTYPE) for t in (self.scale, self.zero, self.gamma)))
+
+
+def check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+
+
+def quantize_tile(
+    x: torch.Tensor,
+    bits: int,
+    axis: Axis,
+    *,
+    varnorm_iters: int = 8,
+    hadamard: bool = True,
+    token_valid: torch.Tensor | None = None,
+) -> QuantizedTile:
+    """Quantize tiles ``x [..., G, D]`` with KVarN (float32 metadata; see `QuantizedTile`).
+
+    Args:
+        x: ``[..., G, D]`` tiles of any float dtype.
+        bits: 2, 3, 4 or 8.
+        axis: ``"channel"`` (keys, MLA streams) or ``"token"`` (values).
+        varnorm_iters: Variance-normalization iterations (0: off, the KIVI/rotation-only baselines).
+        hadamard: Rotate channels before normalizing.
+        token_valid: Optional ``[..., G]`` bool, False for padding tokens, which are left out of every statistic.
+
+    Returns:
+        The quantized tiles, metadata in float32.
+    """
+    check_axis(axis)
+    xr = rotate(x) if hadamard else x.float()
+    rows = xr.transpose(-1, -2) if axis == "channel" else xr  # [..., R, C]
+    row_valid, col_valid = (None, token_valid) if axis == "channel" else (token_valid, None)
+    row_scale, col_scale = variance_normalize(rows, varnorm_iters, row_valid, col_valid)
+    z = rows / (row_scale.unsqueeze(-1) * col_scale.unsqueeze(-2))
+    codes, step, lo = quantize_rows(z, bits, col_valid)
+    codes = codes.transpose(-1, -2) if axis == "channel" else codes  # token-major [..., G, D]
+    return QuantizedTile(pack(codes, bits), row_scale * step, row_scale * lo, col_scale)
+
+
+def metadata_overflow(tile: QuantizedTile) -> float | None:
+    """The largest metadata magnitude if it does not fit the fp16 metadata, else None."""
+    largest = max(float(t.abs().amax()) for t in (tile.scale, tile.zero, tile.gamma))
+    return largest if not largest <= _FP16_MAX else None
+
+
+def dequantize_tile(tile: QuantizedTile, bits: int, axis: Axis, dim: int, *, hadamard: bool = True) -> torch.Tensor:
+    """Reconstruct ``[..., G, D]`` float32 tiles, un-rotated back to the model's channel basis when ``hadamard``."""
+    check_axis(axis)
+    codes = unpack(tile.codes, bits, dim).float()  # [..., G, D]
+    scale, zero, gamma = (t.float() for t in (tile.scale, tile.zero, tile.gamma))
+    if axis == "channel":
+        x = (codes * scale.unsqueeze(-2) + zero.unsqueeze(-2)) * gamma.unsqueeze(-1)
+    else:
+        x = (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)) * gamma.unsqueeze(-2)
+    return rotate(x) if hadamard else x
