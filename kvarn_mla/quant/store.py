@@ -98,6 +98,11 @@ class DenseStream:
     def length(self) -> int:
         return self.tokens.length
 
+    @property
+    def batch_size(self) -> int | None:
+        data = self.tokens.data
+        return None if data is None else data.shape[0]
+
     def append(self, x: torch.Tensor) -> None:
         """Append ``x [B, H, S, D]``."""
         self.tokens.append(x)
@@ -179,6 +184,13 @@ class TiledStream:
     @property
     def length(self) -> int:
         return self.tail_start + self.tail_length
+
+    @property
+    def batch_size(self) -> int | None:
+        for t in (self.sink, self.tail, self._codes.data):
+            if t is not None:
+                return t.shape[0]
+        return None
 
     @property
     def tiles(self) -> QuantizedTile:

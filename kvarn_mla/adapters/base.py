@@ -1,0 +1,177 @@
+"""What every family adapter shares: the attention entry point registered with transformers, masks, fallbacks.
+
+Adapters map a family's cache onto two streams (see `kvarn_mla.quant.store`) and its queries and outputs onto the
+streams' two products, ``scores`` and ``weighted_sum``. They never touch transformers' module globals: everything
+they change lives on the attention module instances that `kvarn_mla.patch` hands them, and is undone by `restore`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..config import KVarNConfig
+from ..quant.store import StreamSpec
+
+BINDING_ATTR = "_kvarn"  # instance attribute set by `patch` on each attention module it takes over
+
+
+@dataclass
+class AttentionBinding:
+    """Per attention module: which adapter serves it, with which config; ``cache`` is set for one forward call."""
+
+    adapter: Adapter
+    config: KVarNConfig
+    fallback: str  # "sdpa" or "eager": how full-precision attention runs (prefill, unquantized layers)
+    cache: Any = field(default=None, repr=False)
+
+    def layer(self, module: nn.Module):
+        """The module's KVarN cache layer for this call, or None (no cache, or an unquantized layer)."""
+        layers = getattr(self.cache, "layers", None)
+        idx = getattr(module, "layer_idx", None)
+        if layers is None or idx is None or idx >= len(layers):
+            return None
+        layer = layers[idx]
+        return layer if getattr(layer, "is_kvarn", False) else None
+
+
+class Adapter:
+    """One attention family. Subclasses define the streams, how to find and prepare modules, and the attention."""
+
+    family: str = ""
+
+    def stream_specs(self, text_config, config: KVarNConfig) -> tuple[StreamSpec, StreamSpec]:
+        """The (key-slot, value-slot) streams of one full-attention layer."""
+        raise NotImplementedError
+
+    def is_attention(self, module: nn.Module) -> bool:
+        """Whether ``module`` is an attention module of this family that writes a cache layer."""
+        raise NotImplementedError
+
+    def prepare(self, module: nn.Module) -> None:
+        """Per-instance changes needed before the attention function can serve ``module``."""
+
+    def restore(self, module: nn.Module) -> None:
+        """Undo `prepare` exactly."""
+
+    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
+        """Attention over the tensors the model passed, as the unpatched model computes it: ``[B, S, H, Dv]``."""
+        raise NotImplementedError
+
+    def quantized(self, module, query, layer, mask, scaling: float) -> torch.Tensor:
+        """Attention of ``query [B, H, S, D]`` over the layer's whole store: ``[B, S, H, Dv]``."""
+        raise NotImplementedError
+
+
+# ---- masks ---------------------------------------------------------------------------------------------------------
+def to_bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A ``[B, 1, S, T]`` mask as bool (True = attend); additive float masks are converted."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, q_len, kv_len]`` bool: query i (absolute position kv_len - q_len + i) sees keys up to itself."""
+    past = kv_len - q_len
+    q_pos = torch.arange(q_len, device=device).unsqueeze(-1) + past
+    return (torch.arange(kv_len, device=device) <= q_pos)[None, None]
+
+
+def select_topk(mask: torch.Tensor | None, indices: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """Restrict a mask to the DSA indexer's top-k keys: ``indices [B, S, k]`` int positions in ``[0, kv_len)``."""
+    if indices is None:
+        return mask
+    batch, q_len, _ = indices.shape
+    chosen = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, indices.long(), True)
+    base = causal_mask(q_len, kv_len, indices.device) if mask is None else mask
+    return base & chosen.unsqueeze(1)
+
+
+def token_validity(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """``[B, T]`` bool, False at key positions no query may attend (padding); None when nothing is masked out."""
+    if mask is None:
+        return None
+    return mask.any(dim=-2)[:, 0].expand(batch, -1)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over keys of ``scores [B, Hkv, g, S, T]`` float32 with a ``[B, 1, S, T]`` bool mask.
+
+    ``None`` means causal over the last S keys. Masked entries get the most negative float rather than -inf, so
+    a fully masked row (a padding query) stays finite, as in transformers' eager attention.
+    """
+    q_len, kv_len = scores.shape[-2:]
+    if mask is None and q_len > 1:
+        mask = causal_mask(q_len, kv_len, scores.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)
+
+
+# ---- full-precision attention ----------------------------------------------------------------------------------------
+def fallback_attention(module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
+    """transformers' own sdpa (or the model's eager) attention, given a bool mask (or None for causal)."""
+    if fallback == "eager":
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        q_len, kv_len = query.shape[2], key.shape[2]
+        bool_mask = causal_mask(q_len, kv_len, query.device) if mask is None else mask
+        additive = torch.zeros(bool_mask.shape, dtype=query.dtype, device=query.device)
+        mask = additive.masked_fill(~bool_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, mask, **kwargs)[0]
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+
+
+def kvarn_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"kvarn"`` with transformers' `AttentionInterface`.
+
+    A prefill over an empty cache attends the prompt in full precision exactly as the unpatched model does; any
+    later call (decode, a prefill chunk, speculative verification) attends the layer's store: sink and tail in full
+    precision, quantized tiles through folded scales. Then the layer quantizes the tiles that filled.
+
+    Args:
+        module: The attention module (``layer_idx`` selects the cache layer).
+        query: ``[B, H, S, D]``.
+        key, value: What the module passed: new K/V ``[B, Hkv, S, D]``, or for MLA the new latent ``[B, 1, S, R]``
+            and RoPE key ``[B, 1, S, dr]`` (`expand_kv` is bypassed).
+        attention_mask: ``[B, 1, S, T]`` bool from the registered mask function, or None (causal).
+        scaling: Softmax scale (``module.scaling``, yarn mscale included).
+        **kwargs: ``indices`` (DSA top-k ``[B, S, k]``), ``sliding_window`` and whatever else the model passes.
+
+    Returns:
+        ``(out [B, S, H, Dv], None)``.
+    """
+    binding: AttentionBinding | None = module.__dict__.get(BINDING_ATTR)
+    if binding is None:  # a module `patch` did not take over (e.g. a vision tower sharing the config)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scaling = module.scaling if scaling is None else scaling
+    mask = to_bool_mask(attention_mask)
+    indices = kwargs.pop("indices", None)
+    layer = binding.layer(module)
+    if layer is None or layer.length == layer.new_tokens:
+        kv_len = key.shape[2]
+        out = binding.adapter.full_precision(
+            module, query, key, value, select_topk(mask, indices, kv_len), binding.fallback,
+            dropout=dropout, scaling=scaling, **kwargs,
+        )
+    else:
+        attend = select_topk(mask, indices, layer.length)
+        out = binding.adapter.quantized(module, query, layer, attend, scaling)
+    if layer is not None:
+        layer.flush(token_validity(mask, query.shape[0]))
+    return out, None

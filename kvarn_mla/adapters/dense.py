@@ -1,0 +1,44 @@
+"""MHA and GQA: K and V streams per kv head; query heads grouped onto their kv head (MHA is group size 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import KVarNConfig
+from ..quant.store import StreamSpec
+from .base import Adapter, fallback_attention, masked_softmax
+
+
+def head_dim(text_config) -> int:
+    """Per-head width, from ``head_dim`` or ``hidden_size / num_attention_heads``."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+class DenseAdapter(Adapter):
+    family = "dense"
+
+    def stream_specs(self, text_config, config: KVarNConfig) -> tuple[StreamSpec, StreamSpec]:
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        dim = head_dim(text_config)
+        return (
+            StreamSpec("key", kv_heads, dim, config.key_bits, "channel"),
+            StreamSpec("value", kv_heads, dim, config.value_bits, "token"),
+        )
+
+    def is_attention(self, module: nn.Module) -> bool:
+        return all(hasattr(module, name) for name in ("layer_idx", "q_proj", "k_proj", "v_proj", "o_proj"))
+
+    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
+        return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
+
+    def quantized(self, module, query, layer, mask, scaling: float) -> torch.Tensor:
+        keys, values = layer.streams
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = keys.spec.num_heads
+        group = q_heads // kv_heads  # query heads [i*group, (i+1)*group) share kv head i, as in repeat_kv
+        q = query.float().reshape(batch, kv_heads, group * q_len, dim)
+        scores = keys.scores(q).view(batch, kv_heads, group, q_len, -1) * scaling
+        probs = masked_softmax(scores, mask)
+        out = values.weighted_sum(probs.view(batch, kv_heads, group * q_len, -1))
+        return out.view(batch, q_heads, q_len, -1).transpose(1, 2).to(query.dtype)

@@ -1,0 +1,295 @@
+"""`KVarNCache` and `KVarNLayer`: KVarN-quantized storage on transformers' Cache API.
+
+A layer holds two streams (dense: K and V; MLA: latent and RoPE key). ``update`` appends the new tokens in full
+precision and returns them unchanged; the patched attention function reads the layer's store directly and then calls
+``flush``, which quantizes every tile that filled. So a forward pass attends the tokens cached *before* it in their
+stored (quantized) form and its own tokens exactly, and a tile is quantized once, when it is full.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+
+from .adapters import adapter_for
+from .config import KVarNConfig, resolve_config
+from .quant.store import DenseStream, StreamSpec, make_stream
+
+DENSE_BYTES_PER_ELEMENT = 2  # what `dense_nbytes` counts: a 16-bit cache
+
+
+class KVarNLayer(CacheLayerMixin):
+    """One full-attention layer's quantized cache: ``streams = (key slot, value slot)``, each ``[B, H, T, D]``."""
+
+    is_kvarn = True
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig):
+        super().__init__()
+        self.specs = specs
+        self.config = config
+        self.new_tokens = 0  # tokens appended by the latest `update`: the current forward's own tokens
+        self._make_streams()
+
+    def _make_streams(self) -> None:
+        c = self.config
+        self.streams = tuple(make_stream(s, c.tile_size, c.sink_tokens, c.varnorm_iters, c.hadamard) for s in self.specs)
+
+    def __repr__(self) -> str:
+        widths = ", ".join(f"{s.name}={s.num_heads}x{s.dim}@{s.bits}b" for s in self.specs)
+        return f"{type(self).__name__}({widths}, tokens={self.length})"
+
+    # ---- transformers' layer API ---------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` ``[B, H, S, D]`` (MLA: latent ``[B, 1, S, R]``, RoPE key
+        ``[B, 1, S, dr]``) and return them unchanged; the attention function reads the store itself.
+
+        Raises:
+            ValueError: on non-finite values or a shape/dtype that does not match the layer; the cache is unchanged.
+        """
+        for spec, x in zip(self.specs, (key_states, value_states)):
+            self._check(spec, x, key_states)
+        self.flush()  # tiles left full by a call that did not go through the attention function
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for stream, x in zip(self.streams, (key_states, value_states)):
+            stream.append(x)
+        self.new_tokens = key_states.shape[2]
+        return key_states, value_states
+
+    def _check(self, spec: StreamSpec, x: torch.Tensor, key_states: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"kvarn: {spec.name} states must be a 4D tensor [B, H, S, D], got {_describe(x)}")
+        expected = (spec.num_heads, spec.dim)
+        if (x.shape[1], x.shape[3]) != expected or x.shape[0] != key_states.shape[0] or x.shape[2] != key_states.shape[2]:
+            raise ValueError(
+                f"kvarn: {spec.name} states of shape {tuple(x.shape)} do not fit this layer "
+                f"(expected [B, {spec.num_heads}, S, {spec.dim}] with B and S equal across streams)"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"kvarn: {spec.name} states must be floating point, got dtype={x.dtype}")
+        if self.is_initialized:
+            batch = self.streams[0].batch_size
+            if x.dtype != self.dtype or x.device != self.device or (batch is not None and x.shape[0] != batch):
+                raise ValueError(
+                    f"kvarn: {spec.name} states (dtype={x.dtype}, device={x.device}, batch={x.shape[0]}) do not "
+                    f"match the cache (dtype={self.dtype}, device={self.device}, batch={batch})"
+                )
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"kvarn: {spec.name} states contain NaN or Inf; the cache was left unchanged")
+
+    def flush(self, token_valid: torch.Tensor | None = None) -> None:
+        """Quantize every tile that is full. ``token_valid [B, T]`` marks padding to leave out of the statistics."""
+        if any(stream.pending_tiles() for stream in self.streams):
+            for stream in self.streams:
+                stream.flush(token_valid)
+
+    @property
+    def length(self) -> int:
+        return self.streams[0].length
+
+    @property
+    def past_length(self) -> int:
+        """Tokens cached before the current forward call."""
+        return self.length - self.new_tokens
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._make_streams()
+        self.new_tokens = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers passes a negative count).
+
+        A quantized tile the cut falls inside returns to the full-precision tail in dequantized form and is
+        quantized again when it refills.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove, got tokens_to_remove={tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(self.length + tokens_to_remove, 0)
+        for stream in self.streams:
+            stream.crop(keep)
+        self.new_tokens = 0
+
+    def _map_batch(self, fn) -> None:
+        if self.is_initialized:
+            for stream in self.streams:
+                stream.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVarNCache does not support offloading")
+
+    prefetch = offload
+
+    # ---- bytes ---------------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes this layer stores: codes, fp16 scales, and the full-precision sink and tail."""
+        return sum(stream.nbytes() for stream in self.streams)
+
+    def allocated_nbytes(self) -> int:
+        """`nbytes` plus spare capacity reserved for future tiles."""
+        return sum(stream.allocated_nbytes() for stream in self.streams)
+
+    def dense_nbytes(self) -> int:
+        """Bytes a 16-bit cache would hold for the same tokens."""
+        batch = self.streams[0].batch_size or 0
+        return sum(batch * s.num_heads * s.dim * self.length * DENSE_BYTES_PER_ELEMENT for s in self.specs)
+
+
+class KVarNIndexedLayer(KVarNLayer):
+    """A KVarN layer for DSA models: also keeps the indexer keys ``[B, T, index_head_dim]`` in full precision."""
+
+    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig, index_head_dim: int):
+        self.indexer_spec = StreamSpec("indexer", 1, index_head_dim, 16, "channel")
+        super().__init__(specs, config)
+
+    def _make_streams(self) -> None:
+        super()._make_streams()
+        self.indexer = DenseStream(self.indexer_spec)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Append ``[B, S, index_head_dim]`` indexer keys; return all of them, ``[B, T, index_head_dim]``."""
+        x = indexer_key_states
+        if x.dim() != 3 or x.shape[-1] != self.indexer_spec.dim:
+            raise ValueError(f"kvarn: indexer keys must be [B, S, {self.indexer_spec.dim}], got shape={tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("kvarn: indexer keys contain NaN or Inf; the cache was left unchanged")
+        self.indexer.append(indexer_key_states.unsqueeze(1))
+        return self.indexer.full().squeeze(1)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.indexer.crop(self.length)
+
+    def _map_batch(self, fn) -> None:
+        super()._map_batch(fn)
+        self.indexer.map_batch(fn)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.indexer.nbytes()
+
+    def allocated_nbytes(self) -> int:
+        return super().allocated_nbytes() + self.indexer.allocated_nbytes()
+
+    def dense_nbytes(self) -> int:
+        full = self.indexer.full()
+        return super().dense_nbytes() + (0 if full is None else full.numel() * DENSE_BYTES_PER_ELEMENT)
+
+
+def _describe(x) -> str:
+    return f"shape={tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+QUANTIZED_LAYER_TYPES = ("full_attention", "indexed_attention")
+UNQUANTIZED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class KVarNCache(Cache):
+    """A KVarN-quantized cache for a patched model (or, for sizing, any supported model config).
+
+    Full-attention layers become `KVarNLayer` (DSA layers `KVarNIndexedLayer`); sliding-window layers keep
+    transformers' own unquantized layer.
+
+    Args:
+        model: A model patched with `kvarn_mla.patch`, or a model config (e.g. to size a cache without a model).
+        config: Preset name or `KVarNConfig`; defaults to the patch's config (or the default preset for a config).
+
+    Example:
+        >>> kvarn_mla.patch(model, "k4v2")
+        >>> out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+        >>> out.cache.nbytes() / out.cache.dense_nbytes()  # fraction of a 16-bit cache
+    """
+
+    def __init__(self, model: PreTrainedModel | PretrainedConfig, config: KVarNConfig | str | None = None):
+        if isinstance(model, PreTrainedModel):
+            state = getattr(model, "_kvarn_state", None)
+            if state is None:
+                raise ValueError(
+                    "KVarNCache(model) needs a model patched with kvarn_mla.patch(model, ...): an unpatched model's "
+                    "attention would not read the quantized store"
+                )
+            config = state.config if config is None else config
+            model_config = model.config
+        elif isinstance(model, PretrainedConfig):
+            model_config = model
+        else:
+            raise TypeError(f"KVarNCache takes a patched PreTrainedModel or a PretrainedConfig, got {type(model).__name__}")
+        self.config = resolve_config(config)
+        adapter = adapter_for(model_config)
+        text_config = model_config.get_text_config(decoder=True)
+        specs = adapter.stream_specs(text_config, self.config)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = []
+        for layer_type, kwargs in zip(layer_types, layer_kwargs):
+            if layer_type == "full_attention":
+                layers.append(KVarNLayer(specs, self.config))
+            elif layer_type == "indexed_attention":
+                layers.append(KVarNIndexedLayer(specs, self.config, text_config.index_head_dim))
+            elif layer_type in UNQUANTIZED_LAYER_TYPES:
+                layers.append(DynamicSlidingWindowLayer(**kwargs))
+            else:
+                raise NotImplementedError(
+                    f"kvarn_mla cannot cache layer type {layer_type!r}; supported: "
+                    f"{QUANTIZED_LAYER_TYPES + UNQUANTIZED_LAYER_TYPES}"
+                )
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds: quantized codes and scales, full-precision sink and tail, unquantized layers."""
+        return sum(_layer_nbytes(layer) for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """`nbytes` plus the spare capacity reserved for future tiles."""
+        return sum(
+            layer.allocated_nbytes() if getattr(layer, "is_kvarn", False) else _layer_nbytes(layer)
+            for layer in self.layers
+        )
+
+    def dense_nbytes(self) -> int:
+        """Bytes a 16-bit cache would hold for the same tokens."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer, "is_kvarn", False):
+                total += layer.dense_nbytes()
+            elif layer.is_initialized:
+                total += (layer.keys.numel() + layer.values.numel()) * DENSE_BYTES_PER_ELEMENT
+        return total
+
+
+def _layer_nbytes(layer) -> int:
+    if getattr(layer, "is_kvarn", False):
+        return layer.nbytes()
+    if not layer.is_initialized:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))

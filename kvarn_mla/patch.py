@@ -1,0 +1,186 @@
+"""`patch` / `unpatch` / `patched`: put a model instance on the KVarN cache, and take it off again exactly.
+
+What `patch` changes, all on the instance (transformers' module globals are never touched):
+
+* the text config's attention implementation becomes ``"kvarn"`` (registered with transformers' `AttentionInterface`
+  and `AttentionMaskInterface` on first use, never at import);
+* each attention module gets a binding (adapter + config), a forward pre-hook that hands the call's cache to the
+  attention function and a forward hook that drops it, an ``extra_repr`` that says so, and for MLA an identity
+  ``expand_kv`` so the latent reaches attention unexpanded;
+* ``model._prepare_cache_for_generation`` makes ``generate`` use a `KVarNCache`, and a pre-hook on the decoder does
+  the same for plain ``model(...)`` calls that would otherwise create a ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .adapters import Adapter, AttentionBinding, adapter_for, kvarn_attention
+from .adapters.base import BINDING_ATTR
+from .cache import KVarNCache
+from .config import KVarNConfig, resolve_config
+
+ATTN_IMPLEMENTATION = "kvarn"
+STATE_ATTR = "_kvarn_state"
+
+
+@dataclass
+class PatchState:
+    """Everything `unpatch` needs to put the model back."""
+
+    config: KVarNConfig
+    adapter: Adapter
+    modules: list[nn.Module]
+    text_config: object
+    attn_implementation: str | None
+    handles: list = field(default_factory=list)
+
+
+def _register_interfaces() -> None:
+    # Registration adds a name to transformers' registries; it changes nothing for models that do not select it.
+    if ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, kvarn_attention)
+    if ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def resolve_backend(config: KVarNConfig) -> str:
+    """The backend a patched model runs on. An explicit choice is honoured or refused, never switched."""
+    if config.backend == "triton":
+        raise NotImplementedError(
+            "backend='triton' is not available in this version of kvarn_mla (the fused Triton kernels are not "
+            "shipped yet); use backend='torch' or 'auto'"
+        )
+    return "torch"
+
+
+def _stash_cache(module: nn.Module, args, kwargs):
+    module.__dict__[BINDING_ATTR].cache = kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _drop_cache(module: nn.Module, args, output):
+    module.__dict__[BINDING_ATTR].cache = None
+
+
+def _describe(config: KVarNConfig, adapter: Adapter) -> str:
+    bits = (
+        f"latent={config.latent_bits}b, rope={config.rope_bits}b"
+        if adapter.family == "mla"
+        else f"k={config.key_bits}b, v={config.value_bits}b"
+    )
+    return f"kvarn({bits}, tile={config.tile_size}, sink={config.sink_tokens}, method={config.method})"
+
+
+def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **overrides) -> PreTrainedModel:
+    """Run ``model`` on a KVarN-quantized KV cache. Patches this instance only; `unpatch` restores it exactly.
+
+    Args:
+        model: A transformers causal LM of a supported ``model_type`` (see `supported_model_types`).
+        config: A preset name (see `PRESETS`), a `KVarNConfig`, or None for the default preset ``"k4v2"``.
+        **overrides: `KVarNConfig` fields to change on top of ``config``, e.g. ``tile_size=64``.
+
+    Returns:
+        The same model, patched (a patched model is re-patched with the new config).
+
+    Raises:
+        NotImplementedError: unsupported model type (the message lists the supported ones).
+        ValueError: unknown preset or invalid config field.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"kvarn_mla.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
+    config = resolve_config(config, **overrides)
+    adapter = adapter_for(model.config)
+    resolve_backend(config)
+    decoder = model.get_decoder()
+    modules = [m for m in decoder.modules() if adapter.is_attention(m)]
+    if not modules:
+        raise NotImplementedError(f"found no {adapter.family} attention modules in {type(decoder).__name__}")
+    if STATE_ATTR in model.__dict__:
+        unpatch(model)
+    _register_interfaces()
+
+    text_config = model.config.get_text_config(decoder=True)
+    previous = text_config._attn_implementation_internal
+    fallback = "eager" if previous == "eager" else "sdpa"
+    state = PatchState(config, adapter, modules, text_config, previous)
+    description = _describe(config, adapter)
+    for module in modules:
+        module.__dict__[BINDING_ATTR] = AttentionBinding(adapter, config, fallback)
+        adapter.prepare(module)
+        module.extra_repr = types.MethodType(lambda self: description, module)
+        state.handles.append(module.register_forward_pre_hook(_stash_cache, with_kwargs=True))
+        state.handles.append(module.register_forward_hook(_drop_cache, always_call=True))
+    state.handles.append(decoder.register_forward_pre_hook(_make_cache_injector(model), with_kwargs=True))
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    model.__dict__[STATE_ATTR] = state
+    return model
+
+
+def unpatch(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `patch`: hooks, module attributes, attention implementation and cache injection. A no-op if unpatched."""
+    state: PatchState | None = model.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return model
+    for handle in state.handles:
+        handle.remove()
+    for module in state.modules:
+        state.adapter.restore(module)
+        module.__dict__.pop(BINDING_ATTR, None)
+        module.__dict__.pop("extra_repr", None)
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    state.text_config._attn_implementation_internal = state.attn_implementation
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: PreTrainedModel, config: KVarNConfig | str | None = None, **overrides) -> Iterator[PreTrainedModel]:
+    """``with kvarn_mla.patched(model, "k4v2"): model.generate(...)``; the model is unpatched on exit."""
+    patch(model, config, **overrides)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+
+
+def is_patched(model: nn.Module) -> bool:
+    return STATE_ATTR in model.__dict__
+
+
+def _prepare_cache_for_generation(self: PreTrainedModel, generation_config, model_kwargs: dict, *args, **kwargs):
+    """`generate` hook: a `KVarNCache` wherever transformers would create a ``DynamicCache``."""
+    wants_default_cache = (
+        model_kwargs.get("cache") is None
+        and model_kwargs.get("past_key_values") is None
+        and generation_config.use_cache is not False
+        and generation_config.cache_implementation in (None, "dynamic")
+    )
+    if not wants_default_cache:
+        return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+    model_kwargs["cache"] = KVarNCache(self)
+
+
+def _make_cache_injector(model: PreTrainedModel):
+    def inject(decoder: nn.Module, args, kwargs):
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return None
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(decoder.config, "use_cache", False)
+        if not use_cache:
+            return None
+        kwargs["cache"] = KVarNCache(model)
+        return args, kwargs
+
+    return inject
+
+
+__all__ = ["patch", "unpatch", "patched", "is_patched", "resolve_backend", "ATTN_IMPLEMENTATION"]
