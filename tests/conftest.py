@@ -47,21 +47,30 @@ WIDE_CONFIGS: dict[str, tuple[str, dict]] = {
 
 
 def build_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny random model of ``model_type`` in eval mode (float32)."""
+    """A tiny random model of ``model_type`` in eval mode (float32), generating to ``max_new_tokens`` (no EOS)."""
     kwargs = dict(TINY_CONFIGS[model_type], **overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     if model_type == "kimi_k25":
         from transformers import Kimi_K25ForConditionalGeneration
 
-        return Kimi_K25ForConditionalGeneration(config).eval()
-    return AutoModelForCausalLM.from_config(config).eval()
+        model = Kimi_K25ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    return _no_eos(model)
 
 
 def build_wide(name: str, seed: int = 0) -> torch.nn.Module:
     model_type, kwargs = WIDE_CONFIGS[name]
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs)).eval()
+    return _no_eos(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs)))
+
+
+def _no_eos(model):
+    # A random model may emit its EOS id; generation would then stop and pad, which is not what the tests compare.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
 
 
 def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -72,18 +81,36 @@ def sqnr(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def teacher_forced_logits(model, ids: torch.Tensor, prompt_len: int, **kwargs) -> torch.Tensor:
+def teacher_forced_logits(
+    model, ids: torch.Tensor, prompt_len: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Prefill ``ids[:, :prompt_len]``, then decode the remaining ids one by one (teacher forcing).
+
+    With an ``attention_mask [B, T]`` (left padding), positions count real tokens only, as in ``generate``.
 
     Returns:
         ``[B, 1 + len(decoded), vocab]`` logits: the prefill's last position, then each decode step.
     """
-    out = model(ids[:, :prompt_len], use_cache=True, **kwargs)
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], position_ids=positions[:, :prompt_len],
+                use_cache=True)
     cache, logits = out.cache, [out.logits[:, -1]]
     for t in range(prompt_len, ids.shape[1]):
-        out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t : t + 1],
+                    cache=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
+
+
+@torch.no_grad()
+def assert_greedy_choices(model, sequences: torch.Tensor, prompt_len: int, tie: float = 1e-3) -> None:
+    """Every token after ``prompt_len`` is a greedy choice of ``model`` (run unpatched, teacher-forced on the same
+    sequence), up to exact ties: its logit is within ``tie`` of the maximum."""
+    logits = model(sequences).logits[:, prompt_len - 1 : -1]
+    chosen = logits.gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
+    gap = logits.amax(-1) - chosen
+    assert (gap <= tie).all(), f"non-greedy tokens, logit gaps {gap[gap > tie].tolist()}"
 
 
 @pytest.fixture

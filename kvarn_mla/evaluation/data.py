@@ -17,7 +17,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CODE_HELD_OUT_PERCENT", "CodeFile", "code_split", "read_code_files", "stdlib_root"]
+__all__ = ["CODE_HELD_OUT_PERCENT", "CodeFile", "code_split", "corpus_info", "read_code_files", "stdlib_root"]
 
 CODE_HELD_OUT_PERCENT = 5
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -212,6 +212,7 @@ class TiledStream:
         if x.shape[2]:
             self.tail = x.clone() if self.tail is None else torch.cat([self.tail, x], 2)
 
+    @torch.no_grad()
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
         """Quantize every full tile at the front of the tail.
 
