@@ -293,3 +293,45 @@ def _layer_nbytes(layer) -> int:
     if not layer.is_initialized:
         return 0
     return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+
+
+def expected_nbytes(
+    model_config: PretrainedConfig,
+    config: KVarNConfig | str | None,
+    tokens: int,
+    batch: int = 1,
+    element_size: int = 2,
+) -> int:
+    """Bytes a `KVarNCache` holds after ``tokens`` tokens, computed from the layout (what `KVarNCache.nbytes`
+    reports once every full tile is flushed), without building tensors.
+
+    Args:
+        model_config: A config of a supported model type.
+        config: Preset name or `KVarNConfig`.
+        tokens: Context length T.
+        batch: Sequences in the batch.
+        element_size: Bytes per element of the model dtype (sink, tail, unquantized streams).
+    """
+    config = resolve_config(config)
+    text_config = model_config.get_text_config(decoder=True)
+    specs = adapter_for(model_config).stream_specs(text_config, config)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    sink = min(tokens, config.sink_tokens)
+    tiles = (tokens - sink) // config.tile_size if sink == config.sink_tokens else 0
+    fp_tokens = tokens - tiles * config.tile_size
+    per_layer = 0
+    for spec in specs:
+        if spec.bits >= 16:
+            per_layer += tokens * spec.num_heads * spec.dim * element_size
+        else:
+            per_layer += spec.num_heads * (fp_tokens * spec.dim * element_size + tiles * spec.tile_nbytes(config.tile_size))
+    total = 0
+    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        if layer_type in QUANTIZED_LAYER_TYPES:
+            total += per_layer
+            if layer_type == "indexed_attention":
+                total += tokens * text_config.index_head_dim * element_size
+        else:  # transformers' sliding layer keeps the last window - 1 tokens
+            kept = min(tokens, kwargs["sliding_window"] - 1)
+            total += kept * sum(s.num_heads * s.dim for s in specs) * element_size
+    return batch * total

@@ -1,0 +1,78 @@
+"""The ``kvarn-mla`` command line and the byte arithmetic behind ``presets``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS
+from transformers import AutoConfig
+
+from kvarn_mla import PRESETS, KVarNCache, __version__
+from kvarn_mla.archs import ARCHITECTURES, load_config
+from kvarn_mla.cache import expected_nbytes
+from kvarn_mla.cli import main
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3", "deepseek_v32", "mistral"])
+@pytest.mark.parametrize("preset, tokens", [("k4v2", 700), ("k2v2", 64), ("k4v2-r8", 129), ("k8v8", 0)])
+def test_expected_nbytes_equals_what_the_cache_holds(model_type, preset, tokens):
+    overrides = dict(sliding_window=48, layer_types=["full_attention", "sliding_attention"]) if model_type == "mistral" else {}
+    model_config = AutoConfig.for_model(model_type, **dict(TINY_CONFIGS[model_type], **overrides))
+    config = PRESETS[preset].replace(tile_size=64, sink_tokens=64)
+    cache = KVarNCache(model_config, config)
+    gen = torch.Generator().manual_seed(0)
+    for index, layer in enumerate(cache.layers):
+        specs = getattr(layer, "specs", None) or cache.layers[0].specs
+        for step in (tokens // 2, tokens - tokens // 2):
+            if step == 0:
+                continue
+            k, v = (torch.randn(3, s.num_heads, step, s.dim, generator=gen, dtype=torch.float32).bfloat16() for s in specs)
+            layer.update(k, v)
+            if hasattr(layer, "flush"):
+                layer.flush()
+            if hasattr(layer, "update_indexer"):
+                layer.update_indexer(torch.randn(3, step, model_config.index_head_dim).bfloat16())
+    assert cache.nbytes() == expected_nbytes(model_config, config, tokens, batch=3)
+
+
+def test_version_and_presets_table(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"kvarn-mla {__version__}"
+    assert main(["presets", "--model", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "k4v2        kvarn     4/16          128   128            402.0" in out
+    assert "16-bit      -         16/16         128   128           1152.0" in out
+    for name in PRESETS:
+        assert f"\n{name} " in out
+    assert main(["presets", "--model", "llama-3-8b"]) == 0
+    assert "k4v2        kvarn     4/2           128   128            864.0" in capsys.readouterr().out
+
+
+def test_presets_reads_a_config_file(tmp_path, capsys):
+    fields = dict(TINY_CONFIGS["qwen3"], model_type="qwen3")
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert main(["presets", "--model", str(tmp_path), "--context", "1000"]) == 0
+    assert "at 1000 tokens" in capsys.readouterr().out
+
+
+def test_cli_errors_name_the_value(capsys):
+    assert main(["presets", "--model", "gpt-5"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["presets", "--context", "0"])
+    assert "--context must be a positive number of tokens, got 0" in capsys.readouterr().err
+
+
+def test_bundled_architectures_are_valid_configs():
+    for name in ARCHITECTURES:
+        assert load_config(name).model_type == ARCHITECTURES[name][0]
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "kvarn_mla.cli", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"kvarn-mla {__version__}"
