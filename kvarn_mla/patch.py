@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .adapters import Adapter, AttentionBinding, adapter_for, kvarn_attention
 from .adapters.base import BINDING_ATTR
-from .cache import KVarNCache
+from .cache import QUANTIZED_LAYER_TYPES, KVarNCache
 from .config import KVarNConfig, resolve_config
 
 ATTN_IMPLEMENTATION = "kvarn"
@@ -108,6 +110,13 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
     _register_interfaces()
 
     text_config = model.config.get_text_config(decoder=True)
+    layer_types = get_layer_types_and_kwargs(text_config)[0]
+    if not any(t in QUANTIZED_LAYER_TYPES for t in layer_types):
+        warnings.warn(
+            f"{type(model).__name__} has only {sorted(set(layer_types))} layers; kvarn_mla quantizes full-attention "
+            "layers only, so this model's cache stays unquantized",
+            stacklevel=2,
+        )
     previous = text_config._attn_implementation_internal
     fallback = "eager" if previous == "eager" else "sdpa"
     state = PatchState(config, adapter, modules, text_config, previous)

@@ -212,6 +212,22 @@ def test_cache_reused_across_two_generate_calls(model_type):
     assert first.cache.get_seq_length() == second.shape[1] - 1
 
 
+def test_sliding_window_layers_stay_unquantized_and_exact():
+    model = build_model("qwen3", layer_types=["full_attention", "sliding_attention"], sliding_window=64,
+                        use_sliding_window=True)
+    ids = _ids(length=200)
+    reference = teacher_forced_logits(model, ids, 160)
+    kvarn_mla.patch(model, "k4v2", sink_tokens=4096)
+    assert sqnr(reference, teacher_forced_logits(model, ids, 160)) > 100
+    kvarn_mla.patch(model, "k8v8", **SMALL_TILES)
+    assert sqnr(reference[:, 1:], teacher_forced_logits(model, ids, 160)[:, 1:]) > FLOOR_8BIT
+    with torch.no_grad():
+        layers = model(ids).cache.layers
+    assert isinstance(layers[0], kvarn_mla.KVarNLayer) and type(layers[1]).__name__ == "DynamicSlidingWindowLayer"
+    with pytest.warns(UserWarning, match="stays unquantized"):
+        kvarn_mla.patch(build_model("mistral", sliding_window=64))
+
+
 def test_plain_forward_calls_get_a_kvarn_cache_and_use_cache_false_gets_none():
     model = kvarn_mla.patch(build_model("qwen3"), "k4v2")
     with torch.no_grad():
