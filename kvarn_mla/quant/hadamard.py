@@ -21,7 +21,7 @@ def _hadamard_cpu(dim: int) -> torch.Tensor:
     while h.shape[0] < block:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / block**0.5
-    return torch.block_diag(*([h] * (dim // block))).to(torch.float32)
+    return torch.block_diag(*([h] * (dim // block)))  # float64; converted per (device, dtype) below
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,12 +22,12 @@ def quantize_rows(
     ``step = max((hi - lo) / (2^b - 1), 1e-10)``; ``torch.round`` rounds half to even.
 
     Args:
-        z: ``[..., R, C]`` float32.
+        z: ``[..., R, C]`` float64 (the reference's precision; float32 works).
         bits: Code width, 2..8.
         col_valid: Optional ``[..., C]`` bool; False columns do not count toward min/max (their codes are clamped).
 
     Returns:
-        ``(codes [..., R, C] uint8, step [..., R] float32, lo [..., R] float32)``.
+        ``(codes [..., R, C] uint8, step [..., R], lo [..., R])``, step and lo in ``z.dtype``.
     """
     qmax = (1 << bits) - 1
     if col_valid is None:

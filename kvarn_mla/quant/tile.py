@@ -10,6 +10,10 @@ packed along channels). What differs between keys and values is the quantization
 
 Either way the (rotated) tile is reconstructed as ``x̂ = (code * scale_row + zero_row) * gamma_col``: the RTN step
 and minimum absorb the row normalization scale, ``gamma`` is the column normalization scale.
+
+Precision, shared with the store kernel so that integer codes match exactly: the rotation is computed in float64
+and rounded to float32 (the kernel's scratch precision); normalization and RTN run in float64; metadata is rounded
+float64 -> float32 (-> float16 when stored).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from .hadamard import rotate
+from .hadamard import hadamard_matrix, rotate
 from .rtn import pack, quantize_rows, unpack
 from .varnorm import variance_normalize
 
@@ -80,14 +84,21 @@ def quantize_tile(
         The quantized tiles, metadata in float32.
     """
     check_axis(axis)
-    xr = rotate(x) if hadamard else x.float()
-    rows = xr.transpose(-1, -2) if axis == "channel" else xr  # [..., R, C]
+    xr = rotate_for_quantization(x) if hadamard else x.float()
+    rows = xr.double().transpose(-1, -2) if axis == "channel" else xr.double()  # [..., R, C]
     row_valid, col_valid = (None, token_valid) if axis == "channel" else (token_valid, None)
     row_scale, col_scale = variance_normalize(rows, varnorm_iters, row_valid, col_valid)
     z = rows / (row_scale.unsqueeze(-1) * col_scale.unsqueeze(-2))
     codes, step, lo = quantize_rows(z, bits, col_valid)
     codes = codes.transpose(-1, -2) if axis == "channel" else codes  # token-major [..., G, D]
-    return QuantizedTile(pack(codes, bits), row_scale * step, row_scale * lo, col_scale)
+    metadata = (t.float() for t in (row_scale * step, row_scale * lo, col_scale))
+    return QuantizedTile(pack(codes, bits), *metadata)
+
+
+def rotate_for_quantization(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` computed in float64, rounded to float32: ``[..., D]`` -> ``[..., D]`` float32."""
+    h = hadamard_matrix(x.shape[-1], x.device, torch.float64)
+    return (x.double() @ h).float()
 
 
 def metadata_overflow(tile: QuantizedTile) -> float | None:

@@ -16,13 +16,19 @@ _TINY = 1e-8
 
 
 def _masked_std(y: torch.Tensor, weight: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """Unbiased std of ``y`` along ``dim`` over the entries where ``weight`` is 1 (all when None)."""
+    """Unbiased std of ``y`` along ``dim`` over the entries where ``weight`` is 1 (all when None).
+
+    Computed in one pass from the sums, ``(Σy² - (Σy)²/n) / (n - 1)``, as the store kernel does; in float64 the
+    cancellation costs nothing that matters here (std is clamped to >= 1e-3 relative to O(1) normalized values).
+    """
     if weight is None:
-        return y.std(dim=dim)
-    count = weight.sum(dim, keepdim=True)
-    mean = (y * weight).sum(dim, keepdim=True) / count.clamp(min=1)
-    var = ((y - mean).square() * weight).sum(dim) / (count.squeeze(dim) - 1).clamp(min=1)
-    return var.sqrt()
+        count = torch.full_like(y.sum(dim), y.shape[dim])
+        total, squares = y.sum(dim), y.square().sum(dim)
+    else:
+        count = weight.sum(dim)
+        total, squares = (y * weight).sum(dim), (y.square() * weight).sum(dim)
+    var = (squares - total.square() / count.clamp(min=1)) / (count - 1).clamp(min=1)
+    return var.clamp(min=0).sqrt()
 
 
 def _spread(std: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -75,13 +81,13 @@ def variance_normalize(
     are left out of every statistic and keep a scale of 1.
 
     Args:
-        x: ``[..., R, C]`` float32 tiles.
+        x: ``[..., R, C]`` float64 tiles (float32 works, with float32 rounding).
         iters: Number of iterations; 0 returns all-ones scales.
         row_valid: Optional ``[..., R]`` bool, False for rows to ignore.
         col_valid: Optional ``[..., C]`` bool, False for columns to ignore.
 
     Returns:
-        ``(row_scale [..., R], col_scale [..., C])``, float32, each in ``[exp(-0.3), exp(10)]``.
+        ``(row_scale [..., R], col_scale [..., C])`` in ``x.dtype``, each in ``[exp(-0.3), exp(10)]``.
     """
     row_log = x.new_zeros(x.shape[:-1])
     col_log = x.new_zeros(x.shape[:-2] + x.shape[-1:])
