@@ -8,11 +8,11 @@ from .folded import folded_scores, folded_values
 from .hadamard import hadamard_matrix, rotate
 from .rtn import pack, packed_width, quantize_rows, unpack
 from .store import DenseStream, StreamSpec, TiledStream, make_stream
-from .tile import QuantizedTile, dequantize_tile, quantize_tile
+from .tile import QuantizedTile, dequantize_tile, quantize_tile, store_tiles_reference
 from .varnorm import imbalance, variance_normalize
 
 __all__ = [
     "DenseStream", "QuantizedTile", "StreamSpec", "TiledStream", "dequantize_tile", "folded_scores", "folded_values",
     "hadamard_matrix", "imbalance", "make_stream", "pack", "packed_width", "quantize_rows", "quantize_tile",
-    "rotate", "unpack", "variance_normalize",
+    "rotate", "store_tiles_reference", "unpack", "variance_normalize",
 ]

@@ -95,6 +95,20 @@ def quantize_tile(
     return QuantizedTile(pack(codes, bits), *metadata)
 
 
+def store_tiles_reference(
+    x: torch.Tensor,
+    bits: int,
+    axis: Axis,
+    *,
+    varnorm_iters: int = 8,
+    hadamard: bool = True,
+    token_valid: torch.Tensor | None = None,
+) -> QuantizedTile:
+    """Tiles as the cache stores them (float16 metadata): the reference of `kvarn_mla.kernels.store_tiles`."""
+    tile = quantize_tile(x, bits, axis, varnorm_iters=varnorm_iters, hadamard=hadamard, token_valid=token_valid)
+    return tile.to_metadata_dtype()
+
+
 def rotate_for_quantization(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` computed in float64, rounded to float32: ``[..., D]`` -> ``[..., D]`` float32."""
     h = hadamard_matrix(x.shape[-1], x.device, torch.float64)
