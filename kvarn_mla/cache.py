@@ -14,7 +14,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from .adapters import adapter_for
 from .config import KVarNConfig, resolve_config
-from .quant.store import DenseStream, StreamSpec, make_stream
+from .kernels.common import quantizer, select_backend
+from .quant.store import DenseStream, StreamSpec, TiledStream, flush_streams, make_stream
 
 DENSE_BYTES_PER_ELEMENT = 2  # what `dense_nbytes` counts: a 16-bit cache
 
@@ -89,9 +90,11 @@ class KVarNLayer(CacheLayerMixin):
 
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
         """Quantize every tile that is full. ``token_valid [B, T]`` marks padding to leave out of the statistics."""
-        if any(stream.pending_tiles() for stream in self.streams):
-            for stream in self.streams:
-                stream.flush(token_valid)
+        tiled = [s for s in self.streams if isinstance(s, TiledStream) and s.pending_tiles()]
+        if tiled:
+            quantize = quantizer(select_backend(self.config.backend, tiled[0].tail.device))
+            for stream in tiled:
+                flush_streams([stream], token_valid, quantize)
 
     @property
     def length(self) -> int:
@@ -264,6 +267,26 @@ class KVarNCache(Cache):
                     f"{QUANTIZED_LAYER_TYPES + UNQUANTIZED_LAYER_TYPES}"
                 )
         super().__init__(layers=layers)
+
+    def flush(self, token_valid: torch.Tensor | None = None) -> None:
+        """Quantize every full tile of every layer: one quantizer call (one store-kernel launch) per stream slot.
+
+        `kvarn_mla.patch` calls this after each forward pass of the decoder.
+
+        Args:
+            token_valid: Optional ``[B, T]`` bool, False at padding positions (left out of the tile statistics).
+        """
+        slots: dict[int, list[TiledStream]] = {}
+        for layer in self.layers:
+            for slot, stream in enumerate(getattr(layer, "streams", ())):
+                if isinstance(stream, TiledStream) and stream.pending_tiles():
+                    slots.setdefault(slot, []).append(stream)
+        if not slots:
+            return
+        device = next(iter(slots.values()))[0].tail.device
+        quantize = quantizer(select_backend(self.config.backend, device))
+        for streams in slots.values():
+            flush_streams(streams, token_valid, quantize)
 
     def nbytes(self) -> int:
         """Bytes the cache holds: quantized codes and scales, full-precision sink and tail, unquantized layers."""

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -26,9 +27,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .adapters import Adapter, AttentionBinding, adapter_for, kvarn_attention
-from .adapters.base import BINDING_ATTR
+from .adapters.base import BINDING_ATTR, to_bool_mask, token_validity
 from .cache import QUANTIZED_LAYER_TYPES, KVarNCache
 from .config import KVarNConfig, resolve_config
+from .kernels.common import select_backend
 
 ATTN_IMPLEMENTATION = "kvarn"
 STATE_ATTR = "_kvarn_state"
@@ -54,14 +56,10 @@ def _register_interfaces() -> None:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def resolve_backend(config: KVarNConfig) -> str:
-    """The backend a patched model runs on. An explicit choice is honoured or refused, never switched."""
-    if config.backend == "triton":
-        raise NotImplementedError(
-            "backend='triton' is not available in this version of kvarn_mla (the fused Triton kernels are not "
-            "shipped yet); use backend='torch' or 'auto'"
-        )
-    return "torch"
+def resolve_backend(config: KVarNConfig, model: nn.Module) -> str:
+    """The backend for the model's current device; ``backend="triton"`` on CPU without the interpreter raises."""
+    parameter = next(model.parameters(), None)
+    return select_backend(config.backend, parameter.device if parameter is not None else torch.device("cpu"))
 
 
 def _stash_cache(module: nn.Module, args, kwargs):
@@ -70,6 +68,26 @@ def _stash_cache(module: nn.Module, args, kwargs):
 
 def _drop_cache(module: nn.Module, args, output):
     module.__dict__[BINDING_ATTR].cache = None
+
+
+def _flush_after_forward(decoder: nn.Module, args, kwargs, output):
+    """Quantize the tiles this forward pass filled, in all layers at once, leaving padding out of the statistics."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values")) or getattr(output, "cache", None)
+    if isinstance(cache, KVarNCache):
+        cache.flush(_token_valid(kwargs.get("attention_mask"), cache))
+
+
+def _token_valid(mask, cache: KVarNCache):
+    """``[B, T]`` bool padding mask from the decoder's attention mask (2D, or 4D custom), or None."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    length = max((layer.length for layer in cache.layers if getattr(layer, "is_kvarn", False)), default=0)
+    if mask.dim() == 4:
+        mask = token_validity(to_bool_mask(mask), mask.shape[0])
+    if mask.dim() != 2 or mask.shape[-1] != length:
+        return None
+    mask = mask.bool()
+    return None if bool(mask.all()) else mask
 
 
 def _describe(config: KVarNConfig, adapter: Adapter) -> str:
@@ -100,7 +118,7 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
         raise TypeError(f"kvarn_mla.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
     config = resolve_config(config, **overrides)
     adapter = adapter_for(model.config)
-    resolve_backend(config)
+    resolve_backend(config, model)
     decoder = model.get_decoder()
     modules = [m for m in decoder.modules() if adapter.is_attention(m)]
     if not modules:
@@ -128,6 +146,7 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
         state.handles.append(module.register_forward_pre_hook(_stash_cache, with_kwargs=True))
         state.handles.append(module.register_forward_hook(_drop_cache, always_call=True))
     state.handles.append(decoder.register_forward_pre_hook(_make_cache_injector(model), with_kwargs=True))
+    state.handles.append(decoder.register_forward_hook(_flush_after_forward, with_kwargs=True))
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
     text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
     model.__dict__[STATE_ATTR] = state

@@ -58,7 +58,10 @@ def test_store_with_padding_and_baselines(axis):
 
 
 def test_store_degenerate_tiles():
-    x = torch.stack([torch.zeros(64, 64), torch.full((64, 64), 3.5), 3.5 + 1e-4 * torch.randn(64, 64)])
+    # The last two have every std below the clamp: the normalization rescales them uniformly, which leaves the
+    # imbalance unchanged up to rounding, and both implementations must still pick the same iterate.
+    x = torch.stack([torch.zeros(64, 64), torch.full((64, 64), 3.5), 3.5 + 1e-4 * torch.randn(64, 64),
+                     1e-5 * torch.randn(64, 64), 1e-4 * torch.randn(64, 64)])
     for axis in ("channel", "token"):
         _assert_identical(x, 4, axis)
         assert torch.isfinite(store_tiles(x, 4, axis).scale.float()).all()

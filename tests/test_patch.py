@@ -92,7 +92,7 @@ def test_unsupported_models_are_refused_with_the_supported_list_and_left_alone()
         adapter_for(v4)
 
 
-def test_bad_config_is_refused_before_anything_changes():
+def test_bad_config_is_refused_before_anything_changes(monkeypatch):
     model = build_model("llama")
     before = _snapshot(model)
     with pytest.raises(ValueError, match="unknown preset 'k3v1'"):
@@ -101,8 +101,10 @@ def test_bad_config_is_refused_before_anything_changes():
         kvarn_mla.patch(model, key_bits=6)
     with pytest.raises(ValueError, match="tile_size must be one of"):
         kvarn_mla.patch(model, tile_size=32)
-    with pytest.raises(NotImplementedError, match="backend='triton' is not available"):
-        kvarn_mla.patch(model, backend="triton")
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="need CUDA tensors .* set TRITON_INTERPRET=1"):
+            kvarn_mla.patch(model, backend="triton")
     with pytest.raises(TypeError, match="PreTrainedModel"):
         kvarn_mla.patch(torch.nn.Linear(2, 2))
     assert _snapshot(model)[:2] == before[:2]

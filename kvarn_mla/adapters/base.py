@@ -8,6 +8,7 @@ they change lives on the attention module instances that `kvarn_mla.patch` hands
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..config import KVarNConfig
+from ..kernels.common import select_backend
+from ..quant.attention import attention_mask, tiled_attention_reference
 from ..quant.store import StreamSpec
 
 BINDING_ATTR = "_kvarn"  # instance attribute set by `patch` on each attention module it takes over
@@ -63,8 +66,8 @@ class Adapter:
         """Attention over the tensors the model passed, as the unpatched model computes it: ``[B, S, H, Dv]``."""
         raise NotImplementedError
 
-    def quantized(self, module, query, layer, mask, scaling: float) -> torch.Tensor:
-        """Attention of ``query [B, H, S, D]`` over the layer's whole store: ``[B, S, H, Dv]``."""
+    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
+        """Attention of ``query [B, H, S, D]`` over the layer's whole store (`attend`): ``[B, S, H, Dv]``."""
         raise NotImplementedError
 
 
@@ -101,18 +104,44 @@ def token_validity(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None
     return mask.any(dim=-2)[:, 0].expand(batch, -1)
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over keys of ``scores [B, Hkv, g, S, T]`` float32 with a ``[B, 1, S, T]`` bool mask.
+def padding_start(mask: torch.Tensor | None, q_len: int, kv_len: int) -> tuple[torch.Tensor | None, bool]:
+    """Express a ``[B, 1, S, T]`` bool mask as left padding + causal: ``(kv_start [B] or None, representable)``."""
+    if mask is None:
+        return None, True
+    batch = mask.shape[0]
+    visible = mask[:, 0, -1, :]  # the last query sees every non-padding key
+    first = visible.int().argmax(-1)
+    start = torch.where(visible.any(-1), first, torch.full_like(first, kv_len))
+    expected = attention_mask(q_len, kv_len, start, batch, mask.device)
+    if not torch.equal(mask.expand(batch, 1, q_len, kv_len), expected):
+        return None, False
+    return (start if bool(start.any()) else None), True
 
-    ``None`` means causal over the last S keys. Masked entries get the most negative float rather than -inf, so
-    a fully masked row (a padding query) stays finite, as in transformers' eager attention.
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def attend(q, keys, values, scaling: float, mask, q_len: int, backend: str) -> torch.Tensor:
+    """Attention of query rows ``q [B, Hkv, M, D]`` over a layer's streams on the chosen backend: ``[B, Hkv, M, Dv]``.
+
+    The Triton kernel covers left padding + causal masks over quantized stores; a mask it cannot express (the DSA
+    indexer's top-k selection, custom 4D masks) or an unquantized key stream runs on the torch path, with a warning.
     """
-    q_len, kv_len = scores.shape[-2:]
-    if mask is None and q_len > 1:
-        mask = causal_mask(q_len, kv_len, scores.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1)
+    if backend == "triton":
+        from ..kernels.decode import kernel_supports, tiled_attention
+
+        kv_start, representable = padding_start(mask, q_len, keys[0].length)
+        if representable and kernel_supports(keys, values):
+            return tiled_attention(q, keys, values, scaling, q_len=q_len, kv_start=kv_start)
+        reason = "this attention mask (e.g. DSA top-k)" if not representable else "these stream bit widths"
+        _warn_once(f"kvarn: the fused Triton kernel does not cover {reason}; this attention runs on the torch path")
+    return tiled_attention_reference(q, keys, values, scaling, q_len=q_len, mask=mask)
 
 
 # ---- full-precision attention ----------------------------------------------------------------------------------------
@@ -142,7 +171,8 @@ def kvarn_attention(
 
     A prefill over an empty cache attends the prompt in full precision exactly as the unpatched model does; any
     later call (decode, a prefill chunk, speculative verification) attends the layer's store: sink and tail in full
-    precision, quantized tiles through folded scales. Then the layer quantizes the tiles that filled.
+    precision, quantized tiles through folded scales. Tiles that filled are quantized after the forward pass
+    (`KVarNCache.flush`, called by a hook `patch` installs on the decoder).
 
     Args:
         module: The attention module (``layer_idx`` selects the cache layer).
@@ -170,8 +200,7 @@ def kvarn_attention(
             dropout=dropout, scaling=scaling, **kwargs,
         )
     else:
-        attend = select_topk(mask, indices, layer.length)
-        out = binding.adapter.quantized(module, query, layer, attend, scaling)
-    if layer is not None:
-        layer.flush(token_validity(mask, query.shape[0]))
+        backend = select_backend(binding.config.backend, query.device)
+        mask = select_topk(mask, indices, layer.length)
+        out = binding.adapter.quantized(module, query, layer, mask, scaling, backend)
     return out, None

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import KVarNConfig
 from ..quant.store import StreamSpec
-from .base import Adapter, fallback_attention, masked_softmax
+from .base import Adapter, attend, fallback_attention
 
 
 def head_dim(text_config) -> int:
@@ -32,13 +32,11 @@ class DenseAdapter(Adapter):
     def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 
-    def quantized(self, module, query, layer, mask, scaling: float) -> torch.Tensor:
+    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
         keys, values = layer.streams
         batch, q_heads, q_len, dim = query.shape
         kv_heads = keys.spec.num_heads
-        group = q_heads // kv_heads  # query heads [i*group, (i+1)*group) share kv head i, as in repeat_kv
-        q = query.float().reshape(batch, kv_heads, group * q_len, dim)
-        scores = keys.scores(q).view(batch, kv_heads, group, q_len, -1) * scaling
-        probs = masked_softmax(scores, mask)
-        out = values.weighted_sum(probs.view(batch, kv_heads, group * q_len, -1))
+        # Query heads [i*group, (i+1)*group) share kv head i (as in repeat_kv): rows ordered (head, query).
+        q = query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim)
+        out = attend(q, [keys], values, scaling, mask, q_len, backend)
         return out.view(batch, q_heads, q_len, -1).transpose(1, 2).to(query.dtype)

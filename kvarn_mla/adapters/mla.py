@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import KVarNConfig
 from ..quant.store import StreamSpec
-from .base import Adapter, fallback_attention, masked_softmax
+from .base import Adapter, attend, fallback_attention
 
 
 def _keep_latents(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +42,7 @@ class MLAAdapter(Adapter):
         key, value = type(module).expand_kv(module, key, value)  # the model's own expansion, as unpatched
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 
-    def quantized(self, module, query, layer, mask, scaling: float) -> torch.Tensor:
+    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
         latent, rope = layer.streams
         batch, heads, q_len, _ = query.shape
         rank, rope_dim = latent.spec.dim, rope.spec.dim
@@ -50,8 +50,8 @@ class MLAAdapter(Adapter):
         weight = module.kv_b_proj.weight.view(heads, -1, rank).float()
         w_uk, w_uv = weight[:, :nope_dim], weight[:, nope_dim:]
         q_nope, q_pe = query.float().split([nope_dim, rope_dim], dim=-1)
-        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk).reshape(batch, 1, heads * q_len, rank)
-        scores = latent.scores(q_lat) + rope.scores(q_pe.reshape(batch, 1, heads * q_len, rope_dim))
-        probs = masked_softmax(scores.view(batch, 1, heads, q_len, -1) * scaling, mask)
-        o_lat = latent.weighted_sum(probs.view(batch, 1, heads * q_len, -1)).view(batch, heads, q_len, rank)
+        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)
+        # MQA over [c_kv | k_pe]: all heads are query rows of the single latent "kv head", ordered (head, query).
+        q = torch.cat([q_lat, q_pe], -1).reshape(batch, 1, heads * q_len, rank + rope_dim)
+        o_lat = attend(q, [latent, rope], None, scaling, mask, q_len, backend).view(batch, heads, q_len, rank)
         return torch.einsum("bhsr,hvr->bshv", o_lat, w_uv).to(query.dtype)

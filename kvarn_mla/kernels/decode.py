@@ -25,7 +25,7 @@ from ..quant.store import DenseStream, TiledStream
 from .common import check_triton_device
 
 Stream = TiledStream | DenseStream
-NEG = -1.0e30  # finite "minus infinity": masked entries are zeroed explicitly, so no inf - inf NaNs
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked entries are zeroed explicitly, so no inf - inf NaNs
 
 
 @triton.jit
@@ -229,9 +229,14 @@ def _empty(device) -> tuple[torch.Tensor, int, int]:
 
 
 def _bh(t: torch.Tensor | None, device) -> tuple[torch.Tensor, int, int]:
-    """(tensor, batch stride, head stride); last dims must be contiguous."""
+    """(tensor, batch stride, head stride); the dims after the head must be laid out contiguously."""
     if t is None or t.numel() == 0:
         return _empty(device)
+    inner = t.shape[2:]
+    expected = [1]
+    for size in reversed(inner[1:]):
+        expected.insert(0, expected[0] * size)
+    assert list(t.stride()[2:]) == expected, f"store tensor {tuple(t.shape)} has strides {t.stride()}"
     return t, t.stride(0), t.stride(1)
 
 

@@ -19,10 +19,11 @@ import triton.language as tl
 from ..quant.hadamard import hadamard_block_size
 from ..quant.rtn import packed_width
 from ..quant.tile import AXES, QuantizedTile
-from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, STD_MAX, STD_MIN
+from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, STD_MAX, STD_MIN, TIE_SLACK
 from .common import check_triton_device
 
 _CHUNK_ELEMENTS = 4096  # float64 elements per chunk held in registers
+_TIE = tl.constexpr(TIE_SLACK)
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _store_kernel(
             _c, _s = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T, HAS_MASK)
             _update_tokens(tok_ptr, valid_ptr, offs_t, G, BLOCK_T, HAS_MASK)
         ch_std, score = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T, HAS_MASK)
-        if score <= best:
+        if score <= best * (1.0 + _TIE):
             best = score
             best_ch = ch_log
             for t0 in range(0, G, BLOCK_T):

@@ -14,7 +14,15 @@ import torch
 from .folded import folded_scores, folded_values
 from .hadamard import rotate
 from .rtn import packed_width
-from .tile import METADATA_DTYPE, Axis, QuantizedTile, check_axis, dequantize_tile, metadata_overflow, quantize_tile
+from .tile import (
+    METADATA_DTYPE,
+    Axis,
+    QuantizedTile,
+    check_axis,
+    dequantize_tile,
+    metadata_overflow,
+    store_tiles_reference,
+)
 
 GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
 
@@ -44,6 +52,12 @@ class StreamSpec:
         """Bytes of one quantized tile of one head: codes + scale + zero (fp16, per row) + gamma (fp16, per column)."""
         rows, cols = (self.dim, tile_size) if self.axis == "channel" else (tile_size, self.dim)
         return tile_size * packed_width(self.dim, self.bits) + 2 * (2 * rows + cols)
+
+
+def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    # Models hand over transposed views ([B, S, H, D] memory seen as [B, H, S, D]); the store keeps its own
+    # token-major copy, the layout the kernels read.
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 class GrowableTensor:
@@ -107,7 +121,7 @@ class DenseStream:
         """Append ``x [B, H, S, D]``."""
         self.tokens.append(x)
 
-    def flush(self, token_valid: torch.Tensor | None = None) -> None:
+    def flush(self, token_valid: torch.Tensor | None = None, quantize=None) -> None:
         """Nothing to quantize."""
 
     def pending_tiles(self) -> int:
@@ -208,56 +222,47 @@ class TiledStream:
         room = self.sink_tokens - self.sink_length
         if room > 0:
             head, x = x[:, :, :room], x[:, :, room:]
-            self.sink = head.clone() if self.sink is None else torch.cat([self.sink, head], 2)
+            self.sink = _contiguous_copy(head if self.sink is None else torch.cat([self.sink, head], 2))
         if x.shape[2]:
-            self.tail = x.clone() if self.tail is None else torch.cat([self.tail, x], 2)
+            self.tail = _contiguous_copy(x if self.tail is None else torch.cat([self.tail, x], 2))
 
-    @torch.no_grad()
-    def flush(self, token_valid: torch.Tensor | None = None) -> None:
-        """Quantize every full tile at the front of the tail.
+    def flush(self, token_valid: torch.Tensor | None = None, quantize=store_tiles_reference) -> None:
+        """Quantize every full tile at the front of the tail (see `flush_streams`)."""
+        flush_streams([self], token_valid, quantize)
+
+    def pending(self, token_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The full tiles waiting in the tail, flattened: ``x [B*H*n, G, D]`` and validity ``[B*H*n, G]`` or None.
 
         Args:
             token_valid: Optional ``[B, T]`` bool over absolute positions (T >= this stream's length); False marks
                 padding, which is left out of the tiles' statistics.
-
-        Raises:
-            ValueError: if a tile's metadata overflows fp16 (|values| beyond ~6.5e4); the stream is then unchanged.
         """
         count = self.pending_tiles()
-        if count == 0:
-            return
         batch, heads, _, dim = self.tail.shape
         size = count * self.tile_size
-        x = self.tail[:, :, :size].reshape(batch, heads, count, self.tile_size, dim)
-        valid = None
-        if token_valid is not None:
-            start = self.tail_start
-            valid = token_valid[:, start : start + size].reshape(batch, 1, count, self.tile_size)
-            valid = None if bool(valid.all()) else valid.expand(batch, heads, count, self.tile_size)
-        tile = quantize_tile(
-            x, self.spec.bits, self.spec.axis,
-            varnorm_iters=self.varnorm_iters, hadamard=self.hadamard, token_valid=valid,
-        )
-        largest = metadata_overflow(tile)
-        if largest is not None:
-            raise ValueError(
-                f"kvarn: {self.spec.name} values too large to quantize with fp16 scales (metadata magnitude "
-                f"{largest:.3g} > 65504); the cache was left unchanged"
-            )
-        tile = tile.to_metadata_dtype()
+        x = self.tail[:, :, :size].reshape(batch * heads * count, self.tile_size, dim)
+        if token_valid is None:
+            return x, None
+        valid = token_valid[:, self.tail_start : self.tail_start + size].reshape(batch, 1, count, self.tile_size)
+        return x, valid.expand(batch, heads, count, self.tile_size).reshape(-1, self.tile_size)
+
+    def commit(self, tile: QuantizedTile) -> None:
+        """Store the quantized pending tiles (leading dim ``B*H*n``, fp16 metadata) and drop them from the tail."""
+        batch, heads = self.tail.shape[:2]
+        count = self.pending_tiles()
         for store, part in zip(self._tile_stores, tile.parts()):
-            store.append(part)
-        self.tail = self.tail[:, :, size:].clone()
+            store.append(part.reshape(batch, heads, count, *part.shape[1:]))
+        self.tail = _contiguous_copy(self.tail[:, :, count * self.tile_size :])
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens. A tile the cut falls inside goes back to the tail, dequantized."""
         if length >= self.length:
             return
         if length >= self.tail_start:
-            self.tail = self.tail[:, :, : length - self.tail_start].clone()
+            self.tail = _contiguous_copy(self.tail[:, :, : length - self.tail_start])
             return
         if length <= self.sink_length:
-            self.sink = self.sink[:, :, :length].clone()
+            self.sink = _contiguous_copy(self.sink[:, :, :length])
             self.tail = None
             for store in self._tile_stores:
                 store.truncate(0)
@@ -340,4 +345,45 @@ def make_stream(spec: StreamSpec, tile_size: int, sink_tokens: int, varnorm_iter
     return TiledStream(spec, tile_size, sink_tokens, varnorm_iters, hadamard)
 
 
-__all__ = ["StreamSpec", "DenseStream", "TiledStream", "GrowableTensor", "make_stream", "METADATA_DTYPE"]
+__all__ = ["StreamSpec", "DenseStream", "TiledStream", "GrowableTensor", "flush_streams", "make_stream", "METADATA_DTYPE"]
+
+
+@torch.no_grad()
+def flush_streams(
+    streams: list[TiledStream], token_valid: torch.Tensor | None = None, quantize=store_tiles_reference
+) -> None:
+    """Quantize the full pending tiles of several streams of one spec (e.g. the keys of every layer) in one call.
+
+    Args:
+        streams: Tiled streams sharing bits, axis, width and tile size.
+        token_valid: Optional ``[B, T]`` bool over absolute positions; False marks padding, which is left out of
+            the tile statistics.
+        quantize: `store_tiles_reference` or the Triton `store_tiles` (same signature).
+
+    Raises:
+        ValueError: if a tile's metadata overflows fp16 (|values| beyond ~1e9); no stream is changed then.
+    """
+    streams = [s for s in streams if s.pending_tiles()]
+    if not streams:
+        return
+    spec, first = streams[0].spec, streams[0]
+    parts = [s.pending(token_valid) for s in streams]
+    x = torch.cat([p[0] for p in parts])
+    valid = None
+    if any(p[1] is not None for p in parts):
+        valid = torch.cat([p[1] if p[1] is not None else torch.ones(p[0].shape[:2], dtype=torch.bool,
+                                                                     device=x.device) for p in parts])
+        valid = None if bool(valid.all()) else valid
+    tile = quantize(x, spec.bits, spec.axis, varnorm_iters=first.varnorm_iters, hadamard=first.hadamard,
+                    token_valid=valid)
+    largest = metadata_overflow(tile)
+    if largest is not None:
+        raise ValueError(
+            f"kvarn: {spec.name} values too large to quantize with fp16 scales (metadata magnitude {largest:.3g} "
+            "is not finite in fp16); the cache was left unchanged"
+        )
+    offset = 0
+    for stream, (chunk, _) in zip(streams, parts):
+        count = chunk.shape[0]
+        stream.commit(QuantizedTile(*(t[offset : offset + count] for t in tile.parts())))
+        offset += count

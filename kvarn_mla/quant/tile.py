@@ -116,8 +116,10 @@ def rotate_for_quantization(x: torch.Tensor) -> torch.Tensor:
 
 
 def metadata_overflow(tile: QuantizedTile) -> float | None:
-    """The largest metadata magnitude if it does not fit the fp16 metadata, else None."""
-    largest = max(float(t.abs().amax()) for t in (tile.scale, tile.zero, tile.gamma))
+    """The largest metadata magnitude if it does not fit fp16 (or is not finite), else None."""
+    if tile.scale.numel() == 0:
+        return None
+    largest = max(float(t.float().abs().amax()) for t in (tile.scale, tile.zero, tile.gamma))
     return largest if not largest <= _FP16_MAX else None
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 STD_MIN, STD_MAX = 1e-3, 1e3  # clamp on a measured std before taking its log
+# An iterate is kept when its imbalance is <= the best so far (ties move forward, as in the spec), with ties taken
+# up to this relative slack: a tile whose stds all clamp gets a uniform rescale, whose imbalance equals the raw
+# tile's up to rounding, and rounding must not decide (the store kernel and this reference round differently).
+TIE_SLACK = 1e-9
 LOG_SCALE_MIN, LOG_SCALE_MAX = -0.3, 10.0  # clamp on the accumulated log-scales
 _TINY = 1e-8
 
@@ -77,7 +81,8 @@ def variance_normalize(
 
     Each iteration first updates the column log-scales, then the row log-scales (spec order), both clamped; the
     returned scales are those of the iterate with the lowest imbalance (``<=``, so ties move forward), starting from
-    the identity (all ones), which is kept when no iterate improves on the raw tile. Invalid rows/columns (padding)
+    the identity (all ones), which is kept when no iterate improves on the raw tile (ties within `TIE_SLACK`
+    relative count as equal). Invalid rows/columns (padding)
     are left out of every statistic and keep a scale of 1.
 
     Args:
@@ -109,7 +114,7 @@ def variance_normalize(
         row_log = (row_log + keep_valid(row_std.log(), row_valid)).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
         y = x / (row_log.exp().unsqueeze(-1) * col_log.exp().unsqueeze(-2))
         score = imbalance(y, row_valid, col_valid)
-        better = score <= best
+        better = score <= best * (1 + TIE_SLACK)
         best = torch.where(better, score, best)
         best_row = torch.where(better.unsqueeze(-1), row_log, best_row)
         best_col = torch.where(better.unsqueeze(-1), col_log, best_col)

@@ -1,0 +1,65 @@
+"""backend="triton" (kernels, here in Triton's interpreter) against backend="torch" on patched tiny models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import build_model, sqnr, teacher_forced_logits
+
+import kvarn_mla
+from kvarn_mla.kernels.common import select_backend
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.mark.parametrize("model_type, preset", [("llama", "k4v2"), ("deepseek_v3", "k4v2"), ("qwen3", "k2v2"),
+                                                ("deepseek_v3", "k4v2-r8")])
+def test_triton_backend_generates_the_torch_backend_tokens(model_type, preset):
+    model = build_model(model_type)
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # a left-padded row
+    outputs = {}
+    for backend in ("torch", "triton"):
+        kvarn_mla.patch(model, preset, tile_size=64, sink_tokens=64, backend=backend)
+        with torch.no_grad():
+            outputs[backend] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                              output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
+    logits = [torch.stack(outputs[b].logits, 1) for b in ("torch", "triton")]
+    assert sqnr(*logits) > 60
+    torch_cache, triton_cache = outputs["torch"].cache, outputs["triton"].cache
+    for a, b in zip(torch_cache.layers, triton_cache.layers):  # the store kernel wrote the same codes
+        assert torch.equal(a.streams[0].tiles.codes, b.streams[0].tiles.codes)
+
+
+def test_triton_backend_chunked_prefill_uses_the_multi_query_kernel():
+    model = build_model("llama")
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
+    steps = ids[:, :160]
+    logits = {}
+    for backend in ("torch", "triton"):
+        kvarn_mla.patch(model, "k4v2", tile_size=64, sink_tokens=0, backend=backend)
+        logits[backend] = teacher_forced_logits(model, steps, 150)  # one prefill, then teacher-forced steps
+        with torch.no_grad():
+            chunk = model(ids[:, :130]).cache
+            logits[backend + "-chunk"] = model(ids[:, 130:], cache=chunk).logits  # 70 queries over a quantized cache
+    assert sqnr(logits["torch"], logits["triton"]) > 60
+    assert sqnr(logits["torch-chunk"], logits["triton-chunk"]) > 60
+
+
+def test_auto_backend_and_explicit_choices():
+    assert select_backend("auto", torch.device("cpu")) == "torch"
+    assert select_backend("torch", torch.device("cpu")) == "torch"
+    assert select_backend("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select_backend("cuda", torch.device("cpu"))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = ("import torch\nfrom kvarn_mla.kernels.common import select_backend\n"
+            "select_backend('triton', torch.device('cpu'))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "set TRITON_INTERPRET=1" in run.stderr
