@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Kernel tests run compiled on CUDA when there is a GPU, in Triton's interpreter otherwise.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 _DENSE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

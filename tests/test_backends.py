@@ -8,19 +8,21 @@ import sys
 
 import pytest
 import torch
-from conftest import build_model, sqnr, teacher_forced_logits
+from conftest import DEVICE, build_model, sqnr, teacher_forced_logits
 
 import kvarn_mla
 from kvarn_mla.kernels.common import select_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# The interpreter computes the kernels' dots in float32; compiled on CUDA, float32 dots run as TF32.
+AGREEMENT_DB = 35 if DEVICE.type == "cuda" else 60
 
 
 @pytest.mark.parametrize("model_type, preset", [("llama", "k4v2"), ("deepseek_v3", "k4v2"), ("qwen3", "k2v2"),
                                                 ("deepseek_v3", "k4v2-r8")])
 def test_triton_backend_generates_the_torch_backend_tokens(model_type, preset):
-    model = build_model(model_type)
-    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(0))
+    model = build_model(model_type).to(DEVICE)
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # a left-padded row
     outputs = {}
@@ -31,15 +33,15 @@ def test_triton_backend_generates_the_torch_backend_tokens(model_type, preset):
                                               output_logits=True, return_dict_in_generate=True)
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
     logits = [torch.stack(outputs[b].logits, 1) for b in ("torch", "triton")]
-    assert sqnr(*logits) > 60
+    assert sqnr(*logits) > AGREEMENT_DB
     torch_cache, triton_cache = outputs["torch"].cache, outputs["triton"].cache
     for a, b in zip(torch_cache.layers, triton_cache.layers):  # the store kernel wrote the same codes
         assert torch.equal(a.streams[0].tiles.codes, b.streams[0].tiles.codes)
 
 
 def test_triton_backend_chunked_prefill_uses_the_multi_query_kernel():
-    model = build_model("llama")
-    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
+    model = build_model("llama").to(DEVICE)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     steps = ids[:, :160]
     logits = {}
     for backend in ("torch", "triton"):
@@ -48,8 +50,8 @@ def test_triton_backend_chunked_prefill_uses_the_multi_query_kernel():
         with torch.no_grad():
             chunk = model(ids[:, :130]).cache
             logits[backend + "-chunk"] = model(ids[:, 130:], cache=chunk).logits  # 70 queries over a quantized cache
-    assert sqnr(logits["torch"], logits["triton"]) > 60
-    assert sqnr(logits["torch-chunk"], logits["triton-chunk"]) > 60
+    assert sqnr(logits["torch"], logits["triton"]) > AGREEMENT_DB
+    assert sqnr(logits["torch-chunk"], logits["triton-chunk"]) > AGREEMENT_DB
 
 
 def test_auto_backend_and_explicit_choices():

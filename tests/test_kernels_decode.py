@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from kvarn_mla.kernels.decode import kernel_supports, merge_splits, tiled_attention
 from kvarn_mla.quant.attention import tiled_attention_reference
 from kvarn_mla.quant.store import StreamSpec, make_stream
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # max abs error / max abs output
+# Max abs error / max abs output. The interpreter computes every dot in float32; compiled on CUDA, float32 dots run
+# as TF32 and half-precision stores feed fp16/bf16 dots (the scaled query is rounded to that precision).
+TOLERANCE = ({torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2} if DEVICE.type == "cuda"
+             else {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2})
 
 
 def _stream(spec: StreamSpec, batch: int, length: int, *, tile=64, sink=64, dtype=torch.float32, seed=0, steps=3):
@@ -19,13 +24,15 @@ def _stream(spec: StreamSpec, batch: int, length: int, *, tile=64, sink=64, dtyp
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, spec.num_heads, length, spec.dim, generator=gen)
     x = x * torch.exp(0.5 * torch.randn(batch, spec.num_heads, length, 1, generator=gen))
-    for chunk in torch.tensor_split(x.to(dtype), steps, dim=2):
+    for chunk in torch.tensor_split(x.to(device=DEVICE, dtype=dtype), steps, dim=2):
         stream.append(chunk)
         stream.flush()
     return stream
 
 
 def _check(q, keys, values, *, q_len=1, kv_start=None, num_splits=None, dtype=torch.float32):
+    q = q.to(DEVICE)
+    kv_start = None if kv_start is None else kv_start.to(DEVICE)
     out = tiled_attention(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start, num_splits=num_splits)
     ref = tiled_attention_reference(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start)
     assert out.shape == ref.shape and out.dtype == torch.float32
@@ -78,11 +85,11 @@ def test_input_dtypes(dtype):
 def test_split_merge_is_exact_against_a_single_split():
     latent = _stream(StreamSpec("latent", 1, 64, 4, "channel"), 2, 64 + 64 * 7 + 5)
     rope_key = _stream(StreamSpec("rope", 1, 16, 16, "channel"), 2, 64 + 64 * 7 + 5, seed=2)
-    q = torch.randn(2, 1, 8, 80)
+    q = torch.randn(2, 1, 8, 80, device=DEVICE)
     one = tiled_attention(q, [latent, rope_key], None, 0.25, num_splits=1)
     for splits in (2, 3, 7):
         many = tiled_attention(q, [latent, rope_key], None, 0.25, num_splits=splits)
-        assert (one - many).abs().max() <= 1e-6 * one.abs().max()  # equal up to float32 rounding
+        assert (one - many).abs().max() <= 1e-5 * one.abs().max()  # equal up to float32 rounding
 
 
 def test_merge_of_hand_made_partials():
@@ -100,4 +107,4 @@ def test_unsupported_combinations_are_refused():
     values = _stream(StreamSpec("value", 2, 32, 2, "token"), 1, 100)
     assert not kernel_supports([dense_keys], values)
     with pytest.raises(ValueError, match="quantized channel-axis first key stream"):
-        tiled_attention(torch.randn(1, 2, 4, 32), [dense_keys], values, 0.25)
+        tiled_attention(torch.randn(1, 2, 4, 32, device=DEVICE), [dense_keys], values, 0.25)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from kvarn_mla.kernels.store import store_tiles
 from kvarn_mla.quant import store_tiles_reference
 
@@ -19,6 +21,8 @@ def _tiles(num: int, size: int, dim: int, dtype=torch.float32, seed: int = 0) ->
 
 
 def _assert_identical(x, bits, axis, **kwargs):
+    x = x.to(DEVICE)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     kernel = store_tiles(x, bits, axis, **kwargs)
     reference = store_tiles_reference(x, bits, axis, **kwargs)
     for name, a, b in zip(("codes", "scale", "zero", "gamma"), kernel.parts(), reference.parts()):
@@ -64,15 +68,15 @@ def test_store_degenerate_tiles():
                      1e-5 * torch.randn(64, 64), 1e-4 * torch.randn(64, 64)])
     for axis in ("channel", "token"):
         _assert_identical(x, 4, axis)
-        assert torch.isfinite(store_tiles(x, 4, axis).scale.float()).all()
+        assert torch.isfinite(store_tiles(x.to(DEVICE), 4, axis).scale.float()).all()
 
 
 def test_store_rejects_bad_input():
     with pytest.raises(ValueError, match="bits must be one of"):
-        store_tiles(torch.randn(1, 64, 64), 5, "channel")
+        store_tiles(torch.randn(1, 64, 64, device=DEVICE), 5, "channel")
     with pytest.raises(ValueError, match="axis"):
-        store_tiles(torch.randn(1, 64, 64), 4, "rows")
+        store_tiles(torch.randn(1, 64, 64, device=DEVICE), 4, "rows")
     with pytest.raises(ValueError, match=r"\[N, G, D\]"):
-        store_tiles(torch.randn(64, 64), 4, "token")
-    empty = store_tiles(torch.randn(0, 64, 64), 4, "token")
+        store_tiles(torch.randn(64, 64, device=DEVICE), 4, "token")
+    empty = store_tiles(torch.randn(0, 64, 64, device=DEVICE), 4, "token")
     assert empty.codes.shape == (0, 64, 32)

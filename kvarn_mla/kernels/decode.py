@@ -86,8 +86,8 @@ def _attend_fp(
 
 @triton.jit
 def _decode_kernel(
-    # Queries [B, HKV, M, D1 + D2] float32: plain (for full-precision tokens) and in the tiles' basis
-    q_ptr, qt_ptr, kv_start_ptr,
+    # Queries [2, B, HKV, M, D1 + D2] float32: [0] plain (for full-precision tokens), [1] in the tiles' basis
+    q_ptr, kv_start_ptr,
     # Segment 1 (dense K / MLA latent): sink, tail [.., n, D1]; codes [.., N, G, P1]; scale, zero [.., N, D1];
     # gamma [.., N, G]. *_sb, *_sh: batch and head strides.
     s1_ptr, s1_sb, s1_sh, t1_ptr, t1_sb, t1_sh, c1_ptr, c1_sb, c1_sh,
@@ -128,9 +128,8 @@ def _decode_kernel(
     if HAS_START:
         start = tl.load(kv_start_ptr + b)
 
-    q_base = pid_bh * M * DQ
-    use_rotated = (split > 0) & (split < splits - 1)
-    q_src = tl.where(use_rotated, qt_ptr, q_ptr) + q_base
+    use_rotated = ((split > 0) & (split < splits - 1)).to(tl.int64)
+    q_src = q_ptr + use_rotated * tl.num_programs(0) * M * DQ + pid_bh * M * DQ
     q1 = tl.load(q_src + offs_m[:, None] * DQ + offs_d1[None, :], mask=m_ok[:, None] & (offs_d1 < D1)[None, :],
                  other=0.0)
     q2 = tl.load(q_src + offs_m[:, None] * DQ + D1 + offs_d2[None, :],
@@ -305,7 +304,8 @@ def tiled_attention(
     # Queries in the tiles' basis: each quantized, rotated segment gets its own Hadamard.
     qt = torch.cat([rotate(q[..., :d1]) if seg1.hadamard else q[..., :d1]]
                    + ([] if seg2 is None else [rotate(q[..., d1:]) if isinstance(seg2, TiledStream) and seg2.hadamard
-                                               else q[..., d1:]]), -1).contiguous()
+                                               else q[..., d1:]]), -1)
+    queries = torch.stack([q, qt]).contiguous()
     num_tiles = seg1.num_tiles
     if num_splits is None:
         target = 264 if device.type == "cuda" else 2
@@ -313,7 +313,9 @@ def tiled_attention(
     num_splits = max(1, min(num_splits, max(num_tiles, 1)))
     tiles_per_split = max(1, -(-num_tiles // num_splits))
     splits = 2 + num_splits
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    # Rows per program: a whole GQA group, or up to 32 MLA heads (a [BLOCK_M, 512] float32 accumulator must stay
+    # in registers).
+    block_m = min(64 if dv <= 128 else 32, max(16, triton.next_power_of_2(rows)))
     partial = torch.empty(batch, kv_heads, splits, rows, dv, dtype=torch.float32, device=device)
     lse = torch.empty(batch, kv_heads, splits, rows, dtype=torch.float32, device=device)
     start = kv_start.to(device=device, dtype=torch.int32).contiguous() if kv_start is not None else _empty(device)[0]
@@ -337,7 +339,7 @@ def tiled_attention(
         dot = tl.float32  # the interpreter computes dots in float32 anyway
     grid = (batch * kv_heads, splits, triton.cdiv(rows, block_m))
     _decode_kernel[grid](
-        q, qt, start,
+        queries, start,
         *_tiled_args(seg1, device), *seg2_args, *value_args,
         partial, lse,
         scaling, seg1.sink_length, num_tiles, seg1.tail_length, tiles_per_split, q_len,
