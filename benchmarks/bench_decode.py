@@ -60,16 +60,31 @@ def fill(cache, model, tokens: int) -> None:
 
 
 @torch.no_grad()
-def decode_ms(model, cache, steps: int) -> float:
-    """Median wall time of one decode step (after one warm-up step)."""
+def decode_ms(model, cache, steps: int) -> tuple[float, float]:
+    """Median wall time of one decode step (after one warm-up step), and of its attention calls alone."""
     token = torch.tensor([[7]])
-    times = []
+    attention_time = [0.0]
+    modules = [layer.self_attn for layer in model.model.layers]
+
+    def before(module, args, kwargs):
+        module._t0 = time.perf_counter()
+
+    def after(module, args, kwargs, output):
+        attention_time[0] += time.perf_counter() - module._t0
+
+    hooks = [h for m in modules for h in (m.register_forward_pre_hook(before, with_kwargs=True),
+                                          m.register_forward_hook(after, with_kwargs=True))]
+    times, attention = [], []
     for step in range(steps + 1):
+        attention_time[0] = 0.0
         start = time.perf_counter()
         model(token, cache=cache, use_cache=True)
         if step:
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+            attention.append(attention_time[0] * 1e3)
+    for hook in hooks:
+        hook.remove()
+    return statistics.median(times), statistics.median(attention)
 
 
 def run_cpu(contexts: list[int], steps: int, out: Path) -> list[dict]:
@@ -80,16 +95,19 @@ def run_cpu(contexts: list[int], steps: int, out: Path) -> list[dict]:
         for tokens in contexts:
             stock_cache = DynamicCache(config=model.config)
             fill(stock_cache, model, tokens)
-            stock = decode_ms(model, stock_cache, steps)
+            stock, stock_attention = decode_ms(model, stock_cache, steps)
             stock_bytes = sum(t.numel() * t.element_size() for layer in stock_cache.layers
                               for t in (layer.keys, layer.values))
             kvarn_mla.patch(model, "k4v2")
             cache = kvarn_mla.KVarNCache(model)
             fill(cache, model, tokens)
-            patched = decode_ms(model, cache, steps)
+            patched, patched_attention = decode_ms(model, cache, steps)
             kvarn_mla.unpatch(model)
             row = dict(family=family, context=tokens, stock_ms=round(stock, 2), kvarn_k4v2_ms=round(patched, 2),
-                       speedup=round(stock / patched, 2), stock_cache_bytes=stock_bytes, kvarn_cache_bytes=cache.nbytes())
+                       speedup=round(stock / patched, 2), stock_attention_ms=round(stock_attention, 2),
+                       kvarn_attention_ms=round(patched_attention, 2),
+                       attention_speedup=round(stock_attention / patched_attention, 2),
+                       stock_cache_bytes=stock_bytes, kvarn_cache_bytes=cache.nbytes())
             rows.append(row)
             print(row, flush=True)
     with out.open("w", newline="") as f:
@@ -109,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     if args.device == "cpu":
         rows = run_cpu(contexts, args.steps, RESULTS / "bench_decode_cpu.csv")
-        print("\n| family | context | stock ms/step | k4v2 ms/step | speedup | stock cache MiB | k4v2 cache MiB |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| family | context | stock ms/step | k4v2 ms/step | speedup | attention: stock ms | k4v2 ms | speedup "
+              "| stock cache MiB | k4v2 cache MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['family']} | {r['context']} | {r['stock_ms']} | {r['kvarn_k4v2_ms']} | {r['speedup']}x | "
+                  f"{r['stock_attention_ms']} | {r['kvarn_attention_ms']} | {r['attention_speedup']}x | "
                   f"{r['stock_cache_bytes'] / 2**20:.1f} | {r['kvarn_cache_bytes'] / 2**20:.1f} |")
         return 0
     from gpu_bench import run_gpu  # CUDA only: kernels vs bf16 baselines

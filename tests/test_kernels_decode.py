@@ -12,10 +12,11 @@ from kvarn_mla.quant.attention import tiled_attention_reference
 from kvarn_mla.quant.store import StreamSpec, make_stream
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-# Max abs error / max abs output. The interpreter computes every dot in float32; compiled on CUDA, float32 dots run
-# as TF32 and half-precision stores feed fp16/bf16 dots (the scaled query is rounded to that precision).
+# Max abs error / max abs output. The interpreter computes the kernel's dots in float32 while the torch path keeps
+# bfloat16 stores in bfloat16; compiled on CUDA, float32 dots run as TF32 and half-precision stores feed fp16/bf16
+# dots (the scaled query is rounded to that precision).
 TOLERANCE = ({torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2} if DEVICE.type == "cuda"
-             else {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2})
+             else {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2})
 
 
 def _stream(spec: StreamSpec, batch: int, length: int, *, tile=64, sink=64, dtype=torch.float32, seed=0, steps=3):

@@ -47,11 +47,12 @@ class MLAAdapter(Adapter):
         batch, heads, q_len, _ = query.shape
         rank, rope_dim = latent.spec.dim, rope.spec.dim
         nope_dim = query.shape[-1] - rope_dim
-        weight = module.kv_b_proj.weight.view(heads, -1, rank).float()
+        # The absorbed projections run in the weights' dtype, as the model's own kv_b_proj does.
+        weight = module.kv_b_proj.weight.view(heads, -1, rank)
         w_uk, w_uv = weight[:, :nope_dim], weight[:, nope_dim:]
-        q_nope, q_pe = query.float().split([nope_dim, rope_dim], dim=-1)
-        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)
+        q_nope, q_pe = query.split([nope_dim, rope_dim], dim=-1)
+        q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope.to(weight.dtype), w_uk)
         # MQA over [c_kv | k_pe]: all heads are query rows of the single latent "kv head", ordered (head, query).
-        q = torch.cat([q_lat, q_pe], -1).reshape(batch, 1, heads * q_len, rank + rope_dim)
+        q = torch.cat([q_lat.float(), q_pe.float()], -1).reshape(batch, 1, heads * q_len, rank + rope_dim)
         o_lat = attend(q, [latent, rope], None, scaling, mask, q_len, backend).view(batch, heads, q_len, rank)
-        return torch.einsum("bhsr,hvr->bshv", o_lat, w_uv).to(query.dtype)
+        return torch.einsum("bhsr,hvr->bshv", o_lat.to(weight.dtype), w_uv).to(query.dtype)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .hadamard import rotate
 from .store import DenseStream, TiledStream
 
 Stream = TiledStream | DenseStream
@@ -43,7 +44,10 @@ def tiled_attention_reference(
     kv_start: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of ``q`` over the streams' stored tokens (quantized tiles read with folded scales).
+    """Softmax attention of ``q`` over the streams' stored tokens, quantized tiles read with folded scales.
+
+    One pass over position blocks (the sink, runs of tiles, the tail) with an online softmax, as the kernel does:
+    each run of tiles is unpacked once for both products, and the transient stays bounded at any length.
 
     Args:
         q: ``[B, Hkv, M, sum(key dims)]`` query rows per kv head, ordered ``(head in group, query)`` so that row
@@ -59,21 +63,43 @@ def tiled_attention_reference(
     Returns:
         ``[B, Hkv, M, Dv]`` float32.
     """
-    values = keys[0] if values is None else values
     batch, heads, rows, _ = q.shape
     q = q.float()
-    scores, offset = None, 0
+    queries, offset = [], 0  # per key stream: (plain query, query in the stream's tile basis)
     for stream in keys:
-        part = stream.scores(q[..., offset : offset + stream.spec.dim])
-        scores = part if scores is None else scores + part
+        part = q[..., offset : offset + stream.spec.dim]
+        rotated = isinstance(stream, TiledStream) and stream.hadamard
+        queries.append((part, rotate(part) if rotated else part))
         offset += stream.spec.dim
-    kv_len = scores.shape[-1]
+    length = keys[0].length
     if mask is None:
-        mask = attention_mask(q_len, kv_len, kv_start, batch, q.device)
-    scores = (scores * scaling).view(batch, heads, rows // q_len, q_len, kv_len)
-    if mask is not None:
-        # The most negative float rather than -inf: a fully masked row (a padding query) stays finite, as in
-        # transformers' eager attention.
-        scores = scores.masked_fill(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).view(batch, heads, rows, kv_len)
-    return values.weighted_sum(probs)
+        mask = attention_mask(q_len, length, kv_start, batch, q.device)
+    value_stream = keys[0] if values is None else values
+    tiled = next((s for s in (*keys, value_stream) if isinstance(s, TiledStream)), None)
+    ranges = tiled.block_ranges(rows) if tiled is not None else [(0, length)]
+
+    top = q.new_full((batch, heads, rows), float("-inf"))
+    total = q.new_zeros(batch, heads, rows)
+    plain = q.new_zeros(batch, heads, rows, value_stream.spec.dim)
+    in_basis = torch.zeros_like(plain)  # values of rotated tiles, rotated back once at the end
+    for start, end in ranges:
+        blocks = [stream.block(start, end) for stream in keys]
+        scores = sum(b.scores(rot if b.rotated else part) for b, (part, rot) in zip(blocks, queries)) * scaling
+        if mask is not None:
+            # The most negative float rather than -inf keeps a fully masked row (a padding query) finite,
+            # as in transformers' eager attention.
+            keep = mask[..., start:end].unsqueeze(2)  # [B, 1, 1, S, n]
+            scores = scores.view(batch, heads, rows // q_len, q_len, -1).masked_fill(~keep, torch.finfo(q.dtype).min)
+            scores = scores.view(batch, heads, rows, -1)
+        new_top = torch.maximum(top, scores.amax(-1))
+        decay = torch.exp(top - new_top)
+        probs = torch.exp(scores - new_top.unsqueeze(-1))
+        total = total * decay + probs.sum(-1)
+        plain, in_basis = plain * decay.unsqueeze(-1), in_basis * decay.unsqueeze(-1)
+        value_block = blocks[0] if values is None else values.block(start, end)
+        if value_block.rotated:
+            in_basis = in_basis + value_block.values(probs)
+        else:
+            plain = plain + value_block.values(probs)
+        top = new_top
+    return (plain + rotate(in_basis)) / total.unsqueeze(-1)

@@ -35,8 +35,47 @@ def _slice(tiles: QuantizedTile, start: int, end: int) -> tuple[torch.Tensor, ..
     return tuple(t[:, :, start:end] for t in (tiles.codes, tiles.scale, tiles.zero, tiles.gamma))
 
 
+def tile_scores(q: torch.Tensor, codes: torch.Tensor, scale, zero, gamma, axis: Axis) -> torch.Tensor:
+    """Scores of ``q [B, H, M, D]`` (float32) against unpacked tiles ``codes [B, H, n, G, D]``.
+
+    The codes' dtype is the compute precision of the code products (float32, or bfloat16 for bfloat16 models);
+    scales are float32 and so is the result, ``[B, H, M, n * G]``.
+    """
+    batch, heads, rows, _ = q.shape
+    if axis == "channel":
+        qa = (q.unsqueeze(2) * scale.unsqueeze(3)).to(codes.dtype)  # [B, H, n, M, D]
+        dots = torch.einsum("bhnmd,bhntd->bhmnt", qa, codes).float()
+        bias = torch.einsum("bhmd,bhnd->bhmn", q, zero).unsqueeze(-1)
+        out = (dots + bias) * gamma.unsqueeze(2)
+    else:
+        qg = q.unsqueeze(2) * gamma.unsqueeze(3)  # [B, H, n, M, D]
+        dots = torch.einsum("bhnmd,bhntd->bhmnt", qg.to(codes.dtype), codes).float()
+        out = dots * scale.unsqueeze(2) + qg.sum(-1).transpose(2, 3).unsqueeze(-1) * zero.unsqueeze(2)
+    return out.reshape(batch, heads, rows, -1)
+
+
+def tile_values(p: torch.Tensor, codes: torch.Tensor, scale, zero, gamma, axis: Axis) -> torch.Tensor:
+    """Probability-weighted sum ``[B, H, M, D]`` (float32, tiles' basis) of unpacked tiles ``codes [B, H, n, G, D]``
+    with weights ``p [B, H, M, n * G]`` (float32)."""
+    batch, heads, rows, _ = p.shape
+    count, size = codes.shape[2:4]
+    p = p.reshape(batch, heads, rows, count, size)
+    if axis == "channel":
+        pg = p * gamma.unsqueeze(2)  # [B, H, M, n, G]
+        weighted = torch.einsum("bhmnt,bhntd->bhmnd", pg.to(codes.dtype), codes).float()
+        return torch.einsum("bhmnd,bhnd->bhmd", weighted, scale) + torch.einsum("bhmn,bhnd->bhmd", pg.sum(-1), zero)
+    weighted = torch.einsum("bhmnt,bhntd->bhmnd", (p * scale.unsqueeze(2)).to(codes.dtype), codes).float()
+    weighted = weighted + (p * zero.unsqueeze(2)).sum(-1, keepdim=True)
+    return torch.einsum("bhmnd,bhnd->bhmd", weighted, gamma)
+
+
+def _unpacked(tiles: QuantizedTile, start: int, end: int, bits: int, dim: int):
+    packed, scale, zero, gamma = _slice(tiles, start, end)
+    return unpack(packed, bits, dim).float(), scale.float(), zero.float(), gamma.float()
+
+
 def folded_scores(q: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, dim: int) -> torch.Tensor:
-    """Dot products of queries with every token of quantized tiles.
+    """Dot products of queries with every token of quantized tiles, float32 throughout.
 
     Args:
         q: ``[B, H, M, D]`` float32 queries (M = query rows per kv head), in the tiles' (rotated) basis.
@@ -46,25 +85,14 @@ def folded_scores(q: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, 
     Returns:
         ``[B, H, M, N * G]`` float32 scores, tokens in order.
     """
-    batch, heads, rows, _ = q.shape
     num_tiles, tile_size = tiles.codes.shape[2], tiles.codes.shape[3]
-    out = q.new_empty(batch, heads, rows, num_tiles, tile_size)
-    for start, end in _chunks(num_tiles, tile_size * dim + rows * (dim + tile_size)):
-        packed, scale, zero, gamma = (t.float() if t.is_floating_point() else t for t in _slice(tiles, start, end))
-        codes = unpack(packed, bits, dim).float()  # [B, H, n, G, D]
-        if axis == "channel":
-            dots = torch.einsum("bhnmd,bhntd->bhmnt", q.unsqueeze(2) * scale.unsqueeze(3), codes)
-            bias = torch.einsum("bhmd,bhnd->bhmn", q, zero).unsqueeze(-1)
-            out[:, :, :, start:end] = (dots + bias) * gamma.unsqueeze(2)
-        else:
-            qg = q.unsqueeze(2) * gamma.unsqueeze(3)  # [B, H, n, M, D]
-            dots = torch.einsum("bhnmd,bhntd->bhmnt", qg, codes)
-            out[:, :, :, start:end] = dots * scale.unsqueeze(2) + qg.sum(-1).transpose(2, 3).unsqueeze(-1) * zero.unsqueeze(2)
-    return out.view(batch, heads, rows, num_tiles * tile_size)
+    parts = [tile_scores(q, *_unpacked(tiles, start, end, bits, dim), axis)
+             for start, end in _chunks(num_tiles, tile_size * dim + q.shape[2] * (dim + tile_size))]
+    return torch.cat(parts, -1) if parts else q.new_zeros(q.shape[:-1] + (0,))
 
 
 def folded_values(p: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, dim: int) -> torch.Tensor:
-    """Probability-weighted sum of the tokens of quantized tiles.
+    """Probability-weighted sum of the tokens of quantized tiles, float32 throughout.
 
     Args:
         p: ``[B, H, M, N * G]`` float32 attention weights for the tiles' tokens.
@@ -74,20 +102,9 @@ def folded_values(p: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, 
     Returns:
         ``[B, H, M, D]`` float32, in the tiles' (rotated) basis.
     """
-    batch, heads, rows, _ = p.shape
     num_tiles, tile_size = tiles.codes.shape[2], tiles.codes.shape[3]
-    p = p.view(batch, heads, rows, num_tiles, tile_size)
-    out = p.new_zeros(batch, heads, rows, dim)
-    for start, end in _chunks(num_tiles, tile_size * dim + rows * (dim + tile_size)):
-        packed, scale, zero, gamma = (t.float() if t.is_floating_point() else t for t in _slice(tiles, start, end))
-        codes = unpack(packed, bits, dim).float()  # [B, H, n, G, D]
-        pc = p[:, :, :, start:end]  # [B, H, M, n, G]
-        if axis == "channel":
-            pg = pc * gamma.unsqueeze(2)
-            out += torch.einsum("bhmnt,bhntd,bhnd->bhmd", pg, codes, scale)
-            out += torch.einsum("bhmn,bhnd->bhmd", pg.sum(-1), zero)
-        else:
-            weighted = torch.einsum("bhmnt,bhntd->bhmnd", pc * scale.unsqueeze(2), codes)
-            weighted += (pc * zero.unsqueeze(2)).sum(-1, keepdim=True)
-            out += torch.einsum("bhmnd,bhnd->bhmd", weighted, gamma)
+    out = p.new_zeros(p.shape[:-1] + (dim,))
+    for start, end in _chunks(num_tiles, tile_size * dim + p.shape[2] * (dim + tile_size)):
+        chunk = p[..., start * tile_size : end * tile_size]
+        out += tile_values(chunk, *_unpacked(tiles, start, end, bits, dim), axis)
     return out

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .folded import folded_scores, folded_values
-from .hadamard import rotate
-from .rtn import packed_width
+from .folded import tile_scores, tile_values
+from .rtn import packed_width, unpack
 from .tile import (
     METADATA_DTYPE,
     Axis,
@@ -25,6 +24,44 @@ from .tile import (
 )
 
 GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
+BLOCK_ELEMENTS = 1 << 22  # elements of unpacked codes and products per block of a read (bounds the transient)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of the products with codes and full-precision tokens: bfloat16 stays bfloat16 (fast, and what
+    the model itself computes in), everything else runs in float32. Softmax and accumulation are float32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+@dataclass
+class Block:
+    """A run of one stream's tokens, read once for both attention products.
+
+    Either full-precision ``tokens [B, H, n, D]``, or unpacked ``codes [B, H, k, G, D]`` (compute precision) with
+    their float32 ``scale``/``zero``/``gamma``; ``rotated`` tells whether it lives in the Hadamard basis.
+    """
+
+    rotated: bool
+    tokens: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
+    axis: Axis = "channel"
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, M, D]`` float32 (in this block's basis) -> ``[B, H, M, n]`` float32."""
+        if self.tokens is not None:
+            dtype = compute_dtype(self.tokens.dtype)
+            return (q.to(dtype) @ self.tokens.to(dtype).transpose(-1, -2)).float()
+        return tile_scores(q, self.codes, self.scale, self.zero, self.gamma, self.axis)
+
+    def values(self, p: torch.Tensor) -> torch.Tensor:
+        """``p [B, H, M, n]`` float32 -> ``[B, H, M, D]`` float32 (in this block's basis)."""
+        if self.tokens is not None:
+            dtype = compute_dtype(self.tokens.dtype)
+            return (p.to(dtype) @ self.tokens.to(dtype)).float()
+        return tile_values(p, self.codes, self.scale, self.zero, self.gamma, self.axis)
 
 
 @dataclass(frozen=True)
@@ -131,13 +168,9 @@ class DenseStream:
         """All tokens, ``[B, H, T, D]`` in the model dtype (a view, no copy)."""
         return self.tokens.data
 
-    def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [B, H, M, D]`` float32 -> ``[B, H, M, T]`` float32 dot products with every token."""
-        return q @ self.tokens.data.float().transpose(-1, -2)
-
-    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
-        """``p [B, H, M, T]`` float32 -> ``[B, H, M, D]`` float32."""
-        return p @ self.tokens.data.float()
+    def block(self, start: int, end: int) -> Block:
+        """Tokens ``[start, end)`` for the attention products."""
+        return Block(rotated=False, tokens=self.tokens.data[:, :, start:end])
 
     def crop(self, length: int) -> None:
         self.tokens.truncate(length)
@@ -287,34 +320,30 @@ class TiledStream:
             store.map_batch(fn)
 
     # ---- reads -------------------------------------------------------------------------------------------------
-    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sink, tiles = self.sink_length, self.num_tiles * self.tile_size
-        return t[..., :sink], t[..., sink : sink + tiles], t[..., sink + tiles :]
+    def block_ranges(self, rows: int) -> list[tuple[int, int]]:
+        """Position ranges that split the stream for one read: the sink, runs of whole tiles (sized so an
+        unpacked run stays under `BLOCK_ELEMENTS` with ``rows`` query rows), and the tail."""
+        ranges = [(0, self.sink_length)] if self.sink_length else []
+        dim, size = self.spec.dim, self.tile_size
+        step = max(1, BLOCK_ELEMENTS // (size * dim + rows * (dim + size)))
+        for first in range(0, self.num_tiles, step):
+            ranges.append((self.sink_length + first * size, self.sink_length + min(self.num_tiles, first + step) * size))
+        if self.tail_length:
+            ranges.append((self.tail_start, self.length))
+        return ranges
 
-    def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [B, H, M, D]`` float32 -> ``[B, H, M, T]`` float32 dot products with every stored token."""
-        parts = []
-        if self.sink is not None:
-            parts.append(q @ self.sink.float().transpose(-1, -2))
-        if self.num_tiles:
-            q_tiles = rotate(q) if self.hadamard else q
-            parts.append(folded_scores(q_tiles, self.tiles, self.spec.bits, self.spec.axis, self.spec.dim))
-        if self.tail is not None:
-            parts.append(q @ self.tail.float().transpose(-1, -2))
-        return torch.cat(parts, -1)
-
-    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
-        """``p [B, H, M, T]`` float32 -> ``[B, H, M, D]`` float32, the probability-weighted sum of the tokens."""
-        p_sink, p_tiles, p_tail = self._split(p)
-        out = p.new_zeros(p.shape[:-1] + (self.spec.dim,))
-        if self.num_tiles:
-            out = folded_values(p_tiles, self.tiles, self.spec.bits, self.spec.axis, self.spec.dim)
-            out = rotate(out) if self.hadamard else out  # back from the rotated basis
-        if self.sink is not None:
-            out = out + p_sink @ self.sink.float()
-        if self.tail is not None:
-            out = out + p_tail @ self.tail.float()
-        return out
+    def block(self, start: int, end: int) -> Block:
+        """Tokens ``[start, end)`` for the attention products; a range of whole tiles comes unpacked (once)."""
+        if end <= self.sink_length:
+            return Block(rotated=False, tokens=self.sink[:, :, start:end])
+        if start >= self.tail_start:
+            return Block(rotated=False, tokens=self.tail[:, :, start - self.tail_start : end - self.tail_start])
+        first, last = (start - self.sink_length) // self.tile_size, (end - self.sink_length) // self.tile_size
+        assert self.sink_length + first * self.tile_size == start and last <= self.num_tiles, (start, end)
+        codes, scale, zero, gamma = (t[:, :, first:last] for t in self.tiles.parts())
+        codes = unpack(codes, self.spec.bits, self.spec.dim).to(compute_dtype(self.dtype))
+        return Block(rotated=self.hadamard, codes=codes, scale=scale.float(), zero=zero.float(),
+                     gamma=gamma.float(), axis=self.spec.axis)
 
     def dequantized(self) -> torch.Tensor:
         """Every token as the attention sees it, ``[B, H, T, D]`` float32 (for tests and `fake_quantize` only)."""
