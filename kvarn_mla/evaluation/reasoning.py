@@ -1,16 +1,20 @@
 """Long-chain reasoning task: running sums modulo a prime, written out step by step.
 
-An item lists ``n`` single digits ``a_1 .. a_n`` with two-digit indices. The model must write the whole
-scratchpad ``i:a_i>s_i`` with ``s_i = (s_{i-1} + a_i) mod p`` (``s_0 = 0``) and then the final sum::
+An item lists ``n`` single digits ``a_1 .. a_n`` (50 <= n <= 200), each labelled by a key token
+``<|k1|> .. <|kn|>``. The model must write the whole scratchpad, step ``i`` being ``<|ki|>a_i>s_i`` with
+``s_i = (s_{i-1} + a_i) mod p`` (``s_0 = 0``), and then the final sum::
 
-    prompt: <|problem|>sum mod 7: 01:3 02:5 03:9 ...<|scratchpad|>
-    target: 01:3>3 02:5>1 03:9>3 ...<|answer|>3
+    prompt: <|problem|>sum mod 7:<|k1|>3<|k2|>5<|k3|>9...<|scratchpad|>
+    target: <|k1|>3>3<|k2|>5>1<|k3|>9>3...<|answer|>3
 
-Why this shape: every ``s_i`` depends on ``s_{i-1}``, so one wrong token anywhere in the several hundred
-generated tokens breaks every later step, and :func:`check` demands the whole target exactly (a lucky
-final digit does not count). Each step needs a long-range lookup (copy ``a_i`` from the prompt by its
-index) and a short-range one (the previous sum, a fixed 7 tokens back), which is exactly the traffic a
-quantized KV cache has to get right.
+Why this shape: every ``s_i`` depends on ``s_{i-1}``, so one wrong token anywhere in the 200-800 generated
+tokens breaks every later step, and :func:`check` demands the whole target exactly (a lucky final digit
+does not count). Each step needs a long-range lookup (recall ``a_i`` from the prompt by its key) and a
+short-range one (the previous sum, 4 tokens back), which is exactly the traffic a quantized KV cache has
+to get right. The keys are single format tokens so that the lookup is one-token associative recall,
+which a few-million-parameter model learns within a CPU-hour; with two-digit indices (``07:3``) the
+lookup needs a two-token match and our pilots had not learned it after 2.4M training tokens. Values and
+sums stay single-digit tokens, so the arithmetic is digit arithmetic.
 
 Instances are drawn from ``random.Random`` seeded with a string (stable across Python versions and
 processes), and assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the instance itself, so the
@@ -27,6 +31,7 @@ __all__ = [
     "ANSWER",
     "EOS",
     "HELD_OUT_PERCENT",
+    "KEYS",
     "MAX_LEN",
     "MIN_LEN",
     "MODULUS",
@@ -50,11 +55,12 @@ SCRATCHPAD = "<|scratchpad|>"
 ANSWER = "<|answer|>"
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER)
+MAX_LEN = 200  # longest chain, and number of key tokens
+KEYS: tuple[str, ...] = tuple(f"<|k{i}|>" for i in range(1, MAX_LEN + 1))
+SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER, *KEYS)
 
-MODULUS = 7  # prime; sums stay single digits so every step has the same width (7 tokens)
-MIN_LEN = 50  # chain lengths drawn uniformly from [MIN_LEN, MAX_LEN]
-MAX_LEN = 99  # two-digit indices
+MODULUS = 7  # prime; sums stay single digits so every step has the same width (4 tokens)
+MIN_LEN = 50  # held-out chain lengths are drawn uniformly from [MIN_LEN, MAX_LEN]
 HELD_OUT_PERCENT = 10  # share of the instance space that is held out (hash-based, see instance_split)
 SPLITS = ("train", "held_out")
 
@@ -111,8 +117,8 @@ def _render(values: tuple[int, ...], modulus: int) -> tuple[tuple[int, ...], str
     for a in values:
         s = (s + a) % modulus
         sums.append(s)
-    prompt = f"{PROBLEM}sum mod {modulus}: " + " ".join(f"{i:02d}:{a}" for i, a in enumerate(values, 1)) + SCRATCHPAD
-    steps = " ".join(f"{i:02d}:{a}>{s}" for i, (a, s) in enumerate(zip(values, sums), 1))
+    prompt = f"{PROBLEM}sum mod {modulus}:" + "".join(f"{k}{a}" for k, a in zip(KEYS, values)) + SCRATCHPAD
+    steps = "".join(f"{k}{a}>{s}" for k, (a, s) in zip(KEYS, zip(values, sums)))
     target = f"{steps}{ANSWER}{sums[-1]}"
     return tuple(sums), prompt, target
 
@@ -134,7 +140,7 @@ def make_item(
         index: item number within the split, ``>= 0``.
         split: ``"train"`` or ``"held_out"``.
         min_len: shortest chain (number of digits), ``>= 1``.
-        max_len: longest chain, ``<= 99`` (indices are two digits).
+        max_len: longest chain, ``<= MAX_LEN`` (one key token per step).
         modulus: the prime ``p``, at most 10 so sums are single digits.
 
     Returns:
@@ -144,8 +150,8 @@ def make_item(
         raise ValueError(f"split must be one of {SPLITS}, got {split=}")
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index=}")
-    if not 1 <= min_len <= max_len <= 99:
-        raise ValueError(f"need 1 <= min_len <= max_len <= 99, got {min_len=}, {max_len=}")
+    if not 1 <= min_len <= max_len <= MAX_LEN:
+        raise ValueError(f"need 1 <= min_len <= max_len <= {MAX_LEN}, got {min_len=}, {max_len=}")
     if not 2 <= modulus <= 10:
         raise ValueError(f"modulus must be in [2, 10] so sums are one digit, got {modulus=}")
     attempt = 0
