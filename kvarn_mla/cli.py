@@ -37,6 +37,58 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .archs import load_config
+    from .plan import format_bytes, parameter_count, parse_memory, plan, weight_bytes
+
+    memory = parse_memory(args.memory)
+    model_config = load_config(args.model)
+    family = adapter_for(model_config).family  # unsupported model types stop here, with the supported list
+    rows = plan(model_config, memory, args.batch, args.context, args.preset, dtype_bytes=args.dtype_bytes)
+    text_config = model_config.get_text_config(decoder=True)
+    parameters, weights = parameter_count(model_config), weight_bytes(model_config, args.dtype_bytes)
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    free = memory - weights
+    positions = f", max_position_embeddings {max_positions}" if max_positions else ""
+    print(f"model    {args.model}: {model_config.model_type}, {family} attention, "
+          f"{text_config.num_hidden_layers} layers{positions}")
+    print(f"weights  {parameters:,} parameters x {args.dtype_bytes:g} B = {weights:,} B ({format_bytes(weights)})")
+    if free < 0:
+        hint = "; for FP8 weights use --dtype-bytes 1" if args.dtype_bytes > 1 else ""
+        print(f"memory   {memory:,} B ({format_bytes(memory)}): the weights do NOT fit, {-free:,} B "
+              f"({format_bytes(-free)}) short, no room for a KV cache{hint}")
+    else:
+        print(f"memory   {memory:,} B ({format_bytes(memory)}): {free:,} B ({format_bytes(free)}) left for "
+              "the KV cache")
+    print(f"KV bytes per token at {args.context} tokens (all layers; sink, tail and scales included); "
+          f"max context per sequence at batch {args.batch}; max batch at {args.context} tokens")
+    bits_header = "latent/rope" if family == "mla" else "key/value"
+    print(f"{'preset':<10} {bits_header:<11} {'B/token':>9} {'KV/sequence':>11} {'vs 16-bit':>9} "
+          f"{'max context':>12} {'max batch':>9}")
+    beyond = False
+    for row in rows:
+        config = row.config
+        bits = (config.latent_bits, config.rope_bits) if family == "mla" else (config.key_bits, config.value_bits)
+        if free < 0:
+            context, batch = "-", "-"
+        elif row.max_context is None:
+            context = "unbounded"
+        else:
+            context = f"{row.max_context:,}"
+            if max_positions and row.max_context > max_positions:
+                context, beyond = context + "*", True
+        if free >= 0:
+            batch = f"{row.max_batch:,}"
+        print(f"{row.name:<10} {'/'.join(map(str, bits)):<11} {row.bytes_per_token:>9.1f} "
+              f"{format_bytes(row.sequence_nbytes):>11} {rows[0].sequence_nbytes / row.sequence_nbytes:>8.2f}x "
+              f"{context:>12} {batch:>9}")
+    if beyond:
+        print(f"* more than max_position_embeddings ({max_positions}): the memory allows it, the model may not")
+    if max_positions and args.context > max_positions:
+        print(f"note: --context {args.context} is more than max_position_embeddings ({max_positions})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn-mla", description="KVarN KV-cache quantization for transformers")
     parser.add_argument("--version", action="version", version=f"kvarn-mla {__version__}")
@@ -46,6 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
                          help="bundled architecture name, config.json or model directory (default: deepseek-v3)")
     presets.add_argument("--context", type=int, default=4096, help="context length in tokens (default: 4096)")
     presets.set_defaults(run=_presets)
+
+    planner = commands.add_parser(
+        "plan", help="capacity planning: max context and batch per preset in a memory budget, after the weights",
+        description="How many tokens and sequences fit in a memory budget once the weights are loaded, per preset. "
+                    "Offline: nothing is downloaded or allocated.")
+    planner.add_argument("--model", required=True,
+                         help="bundled architecture name (e.g. deepseek-v3, llama-3-8b), config.json, model directory, "
+                              "or a hub name whose config.json is in the local Hugging Face cache")
+    planner.add_argument("--memory", required=True,
+                         help="memory budget, weights included: a number and B, KB, MB, GB, TB, KiB, MiB, GiB or TiB "
+                              "(e.g. 80GiB, 1128GiB, 1.5TB)")
+    planner.add_argument("--batch", type=int, default=8,
+                         help="sequences decoded together, for the max context per sequence (default: 8)")
+    planner.add_argument("--context", type=int, default=32768,
+                         help="tokens per sequence, for the bytes per token and the max batch (default: 32768)")
+    planner.add_argument("--preset", action="append", metavar="NAME",
+                         help=f"only this preset (repeatable; default: all of {', '.join(PRESETS)}); "
+                              "the 16-bit row is always shown")
+    planner.add_argument("--dtype-bytes", type=float, default=2,
+                         help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
+    planner.set_defaults(run=_plan)
     return parser
 
 
