@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import __version__
@@ -89,6 +90,39 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .evaluation.methods import parse_methods
+    from .evaluation.runner import load_model, run
+    from .evaluation.tasks import jsonl_items, reasoning_items
+
+    methods = parse_methods(args.presets)
+    if args.suite == "jsonl" and not args.tasks:
+        raise ValueError("--suite jsonl needs --tasks FILE (one {\"prompt\", \"answer\"} object per line)")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model, tokenizer = load_model(args.model, dtype)
+    torch.manual_seed(args.seed)
+    sampling = {"do_sample": False}
+    if args.temperature:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    items = None
+    if args.suite == "reasoning":
+        items = reasoning_items(tokenizer, args.limit)
+    elif args.suite == "jsonl":
+        items = jsonl_items(args.tasks, args.checker, args.max_new_tokens)[: args.limit]
+    text_ids = None
+    if args.text:
+        text_ids = tokenizer(open(args.text).read(), return_tensors="pt", add_special_tokens=False).input_ids
+        text_ids = text_ids[:, : args.tokens]
+    summary = run(model, tokenizer, methods, args.suite, args.out, text_ids=text_ids, tokens=args.tokens,
+                  chunk=args.chunk, greedy_tokens=args.greedy_tokens, items=items, batch_size=args.batch_size,
+                  sampling=sampling, context=args.context)
+    print(json.dumps({name: {k: v for k, v in row.items() if not k.startswith("kl_curve") and k != "attn_err_last"}
+                      for name, row in summary["methods"].items()}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn-mla", description="KVarN KV-cache quantization for transformers")
     parser.add_argument("--version", action="version", version=f"kvarn-mla {__version__}")
@@ -119,6 +153,30 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--dtype-bytes", type=float, default=2,
                          help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
     planner.set_defaults(run=_plan)
+
+    evaluate = commands.add_parser("eval", help="accuracy of cache methods on a model (resumable)")
+    evaluate.add_argument("--model", required=True, help="mla | gqa | mha (bundled), a model directory, or a cached "
+                          "hub name")
+    evaluate.add_argument("--presets", default="k4v2,k2v2,kivi-k2v2,rot-k2v2",
+                          help="comma-separated methods: presets (with +field=value), bf16, hf-quanto-2/4, "
+                          "hf-hqq-2/4, hf-fp8; bf16 is always added as the reference")
+    evaluate.add_argument("--suite", required=True, choices=["accumulation", "reasoning", "worst-vectors", "jsonl"])
+    evaluate.add_argument("--out", required=True, help="summary JSON; records go to the same name with .jsonl")
+    evaluate.add_argument("--tasks", help="JSONL task file for --suite jsonl")
+    evaluate.add_argument("--checker", default="exact", help="default checker: exact | last-number | boxed")
+    evaluate.add_argument("--limit", type=int, default=100, help="items to run (default 100)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=512)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    evaluate.add_argument("--top-p", type=float, default=1.0)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--text", help="text file for accumulation / worst-vectors (default: held-out code)")
+    evaluate.add_argument("--tokens", type=int, default=2048, help="text length for accumulation")
+    evaluate.add_argument("--chunk", type=int, default=128, help="chunk (tile) size of the accumulation protocol")
+    evaluate.add_argument("--greedy-tokens", type=int, default=1024)
+    evaluate.add_argument("--context", type=int, default=1024, help="cached tokens for worst-vectors")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    evaluate.set_defaults(run=_eval)
     return parser
 
 

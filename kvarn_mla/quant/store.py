@@ -294,6 +294,9 @@ class TiledStream:
         if length >= self.tail_start:
             self.tail = _contiguous_copy(self.tail[:, :, : length - self.tail_start])
             return
+        if length == 0:
+            self.reset()
+            return
         if length <= self.sink_length:
             self.sink = _contiguous_copy(self.sink[:, :, :length])
             self.tail = None

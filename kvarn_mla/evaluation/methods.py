@@ -1,0 +1,120 @@
+"""The cache methods an evaluation compares: the 16-bit cache, KVarN presets, and transformers' quantized caches.
+
+A method is named by a string:
+
+* ``"bf16"`` — the unpatched model and its ``DynamicCache`` (the reference; any model dtype);
+* a KVarN preset, optionally with field overrides: ``"k4v2"``, ``"kivi-k2v2"``, ``"k4v2+latent_bits=2+rope_bits=8"``;
+* transformers' own quantized caches on the unpatched model: ``"hf-quanto-2"``, ``"hf-quanto-4"``, ``"hf-hqq-2"``,
+  ``"hf-hqq-4"`` (need optimum-quanto / hqq) and ``"hf-fp8"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+from transformers.cache_utils import QuantizedCache
+
+from ..cache import KVarNCache, expected_nbytes
+from ..config import PRESETS, KVarNConfig, field_names, resolve_config
+from ..patch import patch, unpatch
+
+REFERENCE = "bf16"
+HF_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4), "fp8": (None,)}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of caching K/V during an evaluation.
+
+    Attributes:
+        name: The method string it was parsed from.
+        kind: ``"reference"``, ``"kvarn"`` or ``"hf"``.
+        config: The KVarN config (kvarn only).
+        backend, nbits: transformers' QuantizedCache backend and bits (hf only; fp8 has no bits).
+    """
+
+    name: str
+    kind: str
+    config: KVarNConfig | None = None
+    backend: str | None = None
+    nbits: int | None = None
+    cache_kwargs: dict = field(default_factory=dict, compare=False)
+
+    @contextlib.contextmanager
+    def applied(self, model) -> Iterator[None]:
+        """Patch the model for the duration (KVarN); the others run on the unpatched model."""
+        if self.kind != "kvarn":
+            yield
+            return
+        patch(model, self.config)
+        try:
+            yield
+        finally:
+            unpatch(model)
+
+    def new_cache(self, model):
+        """A fresh cache for chunked forward calls (inside `applied`)."""
+        if self.kind == "kvarn":
+            return KVarNCache(model, self.config)
+        if self.kind == "hf":
+            return QuantizedCache(backend=self.backend, config=model.config.get_text_config(decoder=True),
+                                  **self.cache_kwargs)
+        return DynamicCache(config=model.config)
+
+    def generate_kwargs(self) -> dict:
+        """Extra ``generate`` arguments (inside `applied`)."""
+        if self.kind == "hf":
+            return dict(cache_implementation="quantized", cache_config=dict(backend=self.backend, **self.cache_kwargs))
+        return {}
+
+    def bytes_per_token(self, model_config, tokens: int) -> float | None:
+        """Cache bytes per token at ``tokens`` (16-bit sink/tail), as `KVarNCache.nbytes` counts; None if unknown."""
+        if self.kind == "kvarn":
+            return expected_nbytes(model_config, self.config, tokens) / tokens
+        if self.kind == "reference":
+            unquantized = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
+            return expected_nbytes(model_config, unquantized, tokens) / tokens
+        return None
+
+
+def parse_method(name: str) -> Method:
+    """A `Method` from its name (see the module docstring).
+
+    Raises:
+        ValueError: unknown preset, backend, bit width or config field (the message lists what is allowed).
+    """
+    if name == REFERENCE:
+        return Method(name, "reference")
+    if name.startswith("hf-"):
+        parts = name.split("-")
+        backend = parts[1] if len(parts) > 1 else ""
+        if backend not in HF_BACKENDS:
+            raise ValueError(f"unknown transformers cache backend in {name!r}; allowed: "
+                             f"{[f'hf-{b}' + ('' if n is None else f'-{n}') for b, ns in HF_BACKENDS.items() for n in ns]}")
+        nbits = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+        if nbits not in HF_BACKENDS[backend]:
+            raise ValueError(f"{name!r}: the {backend} backend takes bits {HF_BACKENDS[backend]}, got {nbits}")
+        kwargs = {} if nbits is None else {"nbits": nbits}
+        return Method(name, "hf", backend=backend, nbits=nbits, cache_kwargs=kwargs)
+    preset, *changes = name.split("+")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown method {name!r}: use {REFERENCE!r}, a preset {sorted(PRESETS)} (optionally "
+                         f"'+field=value' with fields {field_names()}), or hf-quanto-2/4, hf-hqq-2/4, hf-fp8")
+    overrides = {}
+    for change in changes:
+        key, _, value = change.partition("=")
+        if key not in field_names() or not value:
+            raise ValueError(f"{name!r}: '{change}' is not field=value with a field of {field_names()}")
+        overrides[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    return Method(name, "kvarn", config=resolve_config(preset, **overrides))
+
+
+def parse_methods(names: str) -> list[Method]:
+    """Comma-separated method names -> methods (``"bf16"`` is always included first, as the reference)."""
+    methods = [parse_method(n.strip()) for n in names.split(",") if n.strip()]
+    if not any(m.kind == "reference" for m in methods):
+        methods.insert(0, parse_method(REFERENCE))
+    return methods

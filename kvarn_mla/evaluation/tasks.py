@@ -1,0 +1,86 @@
+"""Generation tasks: the reference models' long-chain reasoning set, and user JSONL files with named checkers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import reasoning
+from .checkers import load_tasks
+from .methods import Method
+
+
+@dataclass(frozen=True)
+class GenerationItem:
+    """A prompt to complete and how to score the completion.
+
+    Attributes:
+        id: Stable identifier (results are resumed by it).
+        prompt: Text to continue.
+        checks: Named checks of the decoded completion; the first is the headline one.
+        max_new_tokens: Generation budget.
+    """
+
+    id: str
+    prompt: str
+    checks: dict[str, Callable[[str], bool]]
+    max_new_tokens: int
+
+
+def reasoning_items(tokenizer, count: int, margin: int = 8) -> list[GenerationItem]:
+    """The first ``count`` held-out long-chain items; exact match of the whole scratchpad is the headline check."""
+    items = []
+    for item in reasoning.held_out_items(count):
+        budget = len(tokenizer(item.target, add_special_tokens=False).input_ids) + margin
+        items.append(GenerationItem(
+            f"reasoning-{item.index}", item.prompt,
+            {"exact": lambda text, item=item: reasoning.check(item, text),
+             "answer": lambda text, item=item: reasoning.check_answer(item, text)},
+            budget,
+        ))
+    return items
+
+
+def jsonl_items(path: str, checker: str, max_new_tokens: int) -> list[GenerationItem]:
+    """Items of a user task file (see `kvarn_mla.evaluation.checkers.load_tasks`)."""
+    return [GenerationItem(task.id, task.prompt, {task.checker: task.check}, max_new_tokens)
+            for task in load_tasks(path, checker)]
+
+
+@torch.no_grad()
+def generate_items(
+    model,
+    tokenizer,
+    items: Sequence[GenerationItem],
+    method: Method,
+    *,
+    batch_size: int = 8,
+    sampling: dict | None = None,
+) -> Iterator[dict]:
+    """Complete ``items`` with ``method``'s cache, in left-padded batches of similar length; yields one record
+    per item: ``id``, each check's result, ``new_tokens`` and the completion ``text``.
+
+    Args:
+        sampling: ``generate`` sampling arguments (default greedy: ``{"do_sample": False}``).
+    """
+    sampling = {"do_sample": False} if sampling is None else sampling
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    order = sorted(items, key=lambda it: (it.max_new_tokens, len(it.prompt)))
+    device = next(model.parameters()).device
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        encoded = tokenizer([it.prompt for it in batch], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+        with method.applied(model):
+            out = model.generate(**encoded, max_new_tokens=max(it.max_new_tokens for it in batch),
+                                 pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
+                                 **sampling, **method.generate_kwargs())
+        for item, row in zip(batch, out[:, encoded.input_ids.shape[1]:].tolist()):
+            row = row[: item.max_new_tokens]
+            stop = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
+            text = tokenizer.decode(row[:stop], skip_special_tokens=False)  # the completion, up to end of text
+            yield {"id": item.id, **{name: bool(check(text)) for name, check in item.checks.items()},
+                   "new_tokens": min(stop + 1, len(row)), "text": text}

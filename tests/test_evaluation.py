@@ -1,0 +1,243 @@
+"""The accuracy harness: methods, checkers, task files, the accumulation protocol, worst vectors, resuming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DynamicCache, PreTrainedTokenizerFast
+
+import kvarn_mla
+from kvarn_mla.adapters import adapter_for
+from kvarn_mla.cli import main
+from kvarn_mla.evaluation import runner, tasks
+from kvarn_mla.evaluation.accumulation import accumulation_curve, greedy_divergence, kl_divergence
+from kvarn_mla.evaluation.checkers import (
+    check_boxed,
+    check_exact,
+    check_last_number,
+    last_boxed,
+    load_tasks,
+    wilson_interval,
+)
+from kvarn_mla.evaluation.methods import parse_method, parse_methods
+from kvarn_mla.evaluation.worst import error_split, worst_vectors
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over 126 symbols, for the 128-token tiny models."""
+    symbols = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<eos>": 0, "<pad>": 1, **{s: i + 2 for i, s in enumerate(symbols)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>")
+
+
+# ---- methods --------------------------------------------------------------------------------------------------------
+def test_parse_methods():
+    assert parse_method("k4v2").config == kvarn_mla.PRESETS["k4v2"]
+    grid = parse_method("k4v2+latent_bits=2+rope_bits=8+hadamard=False")
+    assert (grid.config.latent_bits, grid.config.rope_bits, grid.config.hadamard) == (2, 8, False)
+    assert parse_method("hf-quanto-2").cache_kwargs == {"nbits": 2} and parse_method("hf-fp8").nbits is None
+    assert [m.name for m in parse_methods("k2v2, hf-fp8")] == ["bf16", "k2v2", "hf-fp8"]
+    with pytest.raises(ValueError, match="unknown method 'k9'"):
+        parse_method("k9")
+    with pytest.raises(ValueError, match="'bits=2' is not field=value"):
+        parse_method("k4v2+bits=2")
+    with pytest.raises(ValueError, match="latent_bits must be one of"):
+        parse_method("k4v2+latent_bits=5")
+    with pytest.raises(ValueError, match=r"the quanto backend takes bits \(2, 4\), got 8"):
+        parse_method("hf-quanto-8")
+    with pytest.raises(ValueError, match="unknown transformers cache backend"):
+        parse_method("hf-gptq-4")
+
+
+# ---- checkers and task files ---------------------------------------------------------------------------------------
+def test_checkers_on_fixed_examples():
+    assert check_exact("  42\n", "42") and not check_exact("42.", "42")
+    assert check_last_number("so the total is 1,234 apples", "1234")
+    assert check_last_number("x = -3.50", "-3.5") and not check_last_number("7 then 8", "7")
+    assert not check_last_number("no number here", "3")
+    assert last_boxed(r"a \boxed{\frac{1}{2}} b \boxed{x^{2}}") == "x^{2}"
+    assert check_boxed(r"thus $\boxed{\frac{1}{2}}$", r"\frac{1}{2}")
+    assert check_boxed(r"\boxed{ 3 }", r"\boxed{3}") and not check_boxed(r"\boxed{3", "3")
+    assert wilson_interval(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "a", "answer": "b"', "not valid JSON"),
+    ('["prompt", "answer"]', "expected a JSON object"),
+    ('{"prompt": "a"}', "'answer' must be a string"),
+    ('{"prompt": 3, "answer": "b"}', "'prompt' must be a string"),
+    ('{"prompt": "a", "answer": "b", "checker": "regex"}', "unknown checker 'regex'"),
+    ('{"id": "one", "prompt": "a", "answer": "b"}', "duplicate id 'one'"),
+])
+def test_task_loader_rejects_malformed_lines_with_the_line_number(tmp_path, line, message):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "one", "prompt": "1+1=", "answer": "2"}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"tasks.jsonl:3: {message}"):
+        load_tasks(path)
+
+
+def test_task_loader_reads_checkers(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "p", "answer": "\\\\boxed{4}", "checker": "boxed"}\n')
+    loaded = load_tasks(path, checker="last-number")
+    assert [t.checker for t in loaded] == ["last-number", "boxed"] and [t.id for t in loaded] == ["1", "2"]
+    assert loaded[0].check("it is 2") and loaded[1].check("so \\boxed{4}")
+
+
+# ---- the accumulation protocol --------------------------------------------------------------------------------------
+def _fake_quantized(model, cache: DynamicCache, config) -> DynamicCache:
+    """A DynamicCache holding every cached vector after the quantize-dequantize round trip."""
+    specs = adapter_for(model.config).stream_specs(model.config.get_text_config(decoder=True), config)
+    tile = dict(tile_size=config.tile_size, sink_tokens=config.sink_tokens, varnorm_iters=config.varnorm_iters,
+                hadamard=config.hadamard)
+    out = DynamicCache(config=model.config)
+    for index, layer in enumerate(cache.layers):
+        pair = [kvarn_mla.fake_quantize(x, s.bits, s.axis, **tile) if s.bits < 16 else x.clone()
+                for x, s in zip((layer.keys, layer.values), specs)]
+        out.update(*pair, index)
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+@torch.no_grad()
+def test_accumulation_equals_a_hand_computed_case(model_type):
+    """Three chunks, no sink: chunk 1 attends quantized chunk 0; chunk 2 attends quantized chunks 0-1, whose chunk-1
+    K/V came from the quantized forward (accumulated) or from the 16-bit forward (static). Rebuilt here with
+    fake-quantized DynamicCaches and the stock attention."""
+    model = build_model(model_type)
+    ids = torch.randint(0, 128, (1, 192), generator=torch.Generator().manual_seed(0))
+    method = parse_method("k2v2+tile_size=64+sink_tokens=0")
+    curve = accumulation_curve(model, ids, method, chunk=64)
+    assert [row["start"] for row in curve] == [0, 64, 128]
+
+    reference = DynamicCache(config=model.config)
+    ref_logits = [model(ids[:, s : s + 64], cache=reference).logits for s in (0, 64, 128)]
+    first = DynamicCache(config=model.config)
+    model(ids[:, :64], cache=first)
+    hand = _fake_quantized(model, first, method.config)  # chunk 0 quantized
+    chunk1 = model(ids[:, 64:128], cache=hand).logits  # appends chunk 1's accumulated K/V (exact) to `hand`
+    new = DynamicCache(config=model.config)
+    for index, layer in enumerate(hand.layers):
+        new.update(layer.keys[:, :, 64:], layer.values[:, :, 64:], index)
+    new = _fake_quantized(model, new, method.config)  # chunk 1 quantized once, like chunk 0
+    accumulated = DynamicCache(config=model.config)
+    for index, (old, fresh) in enumerate(zip(hand.layers, new.layers)):
+        accumulated.update(torch.cat([old.keys[:, :, :64], fresh.keys], 2),
+                           torch.cat([old.values[:, :, :64], fresh.values], 2), index)
+    chunk2 = model(ids[:, 128:], cache=accumulated).logits
+    static_cache = DynamicCache(config=model.config)
+    for index, layer in enumerate(reference.layers):
+        static_cache.update(layer.keys[:, :, :128], layer.values[:, :, :128], index)
+    chunk2_static = model(ids[:, 128:], cache=_fake_quantized(model, static_cache, method.config)).logits
+
+    assert curve[0]["kl"] == 0 and curve[0]["top1"] == 1.0  # the first chunk is a full-precision prefill
+    expected = {1: (chunk1, chunk1), 2: (chunk2, chunk2_static)}
+    for index, (acc, static) in expected.items():
+        for key, logits in (("kl", acc), ("kl_static", static)):
+            kl = float(kl_divergence(ref_logits[index], logits).mean())
+            assert curve[index][key] == pytest.approx(kl, rel=1e-3, abs=1e-7), (index, key)
+    assert curve[2]["kl"] != pytest.approx(curve[2]["kl_static"], rel=1e-6)  # inheritance made a difference
+    assert len(curve[2]["attn_err"]) == model.config.num_hidden_layers and curve[2]["attn_err"][0] > 0
+
+
+@torch.no_grad()
+def test_accumulation_with_transformers_quantized_cache_and_static_guard():
+    model = build_model("llama")
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
+    curve = accumulation_curve(model, ids, parse_method("hf-fp8"), chunk=64, static=False)
+    assert len(curve) == 4 and all(row["kl"] >= 0 for row in curve) and "kl_static" not in curve[0]
+    with pytest.raises(ValueError, match="static variant needs a KVarN method"):
+        accumulation_curve(model, ids, parse_method("hf-fp8"), chunk=64)
+    with pytest.raises(ValueError, match="chunk == tile_size"):
+        accumulation_curve(model, ids, parse_method("k4v2"), chunk=64)
+
+
+@torch.no_grad()
+def test_greedy_divergence():
+    model = build_model("deepseek_v3")
+    prompt = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+    exact = greedy_divergence(model, prompt, parse_method("k4v2+sink_tokens=4096"), 40, chunk=64)
+    assert exact == {"first_divergence": 40, "agreement": 1.0, "reference_tokens": 40, "method_tokens": 40}
+    lossy = greedy_divergence(model, prompt, parse_method("k2v2+tile_size=64+sink_tokens=0"), 40, chunk=64)
+    assert 0 <= lossy["first_divergence"] <= 40 and 0 < lossy["agreement"] <= 1
+
+
+# ---- worst vectors --------------------------------------------------------------------------------------------------
+def test_error_split_sums_to_the_squared_error():
+    exact, restored = torch.randn(5, 32), torch.randn(5, 32)
+    magnitude, direction = error_split(exact, restored)
+    assert torch.allclose(magnitude + direction, (exact - restored).square().sum(-1), rtol=1e-5)
+
+
+@torch.no_grad()
+def test_worst_vectors():
+    model = build_model("llama")
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    result = worst_vectors(model, ids, parse_method("k2v2+tile_size=64+sink_tokens=0"), 160, fractions=(0.05, 0.5, 1.0))
+    assert result["kl"] > 0
+    kls = [result["fractions"][k]["kl"] for k in ("0.05", "0.5", "1")]
+    assert kls[0] < result["kl"] and kls[2] == pytest.approx(0, abs=1e-9)
+    shares = [result["fractions"][k]["error_share"] for k in ("0.05", "0.5", "1")]
+    assert 0 < shares[0] < shares[1] < shares[2] == pytest.approx(1)
+    assert 0 <= result["magnitude_share"] <= 1
+
+
+# ---- the runner: resume, summary, CLI -----------------------------------------------------------------------------
+def _items(count: int) -> list[tasks.GenerationItem]:
+    return [tasks.GenerationItem(f"t{i}", f"{i}+{i}=", {"exact": lambda text: text == "x"}, 4) for i in range(count)]
+
+
+def test_generation_suite_resumes_after_an_interruption(tmp_path, monkeypatch):
+    model, tokenizer = build_model("qwen3"), char_tokenizer()
+    methods = parse_methods("k4v2+tile_size=64")
+    out = tmp_path / "run.json"
+    real = tasks.generate_items
+    calls = []
+
+    def interrupted(model, tokenizer, items, method, **kwargs):
+        for number, record in enumerate(real(model, tokenizer, items, method, **kwargs)):
+            if method.kind == "kvarn" and number == 2:
+                raise KeyboardInterrupt
+            calls.append((method.name, record["id"]))
+            yield record
+
+    monkeypatch.setattr(tasks, "generate_items", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1)
+    log_lines = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert len(log_lines) == 5 + 2 and not out.exists()
+    with (tmp_path / "run.jsonl").open("a") as f:
+        f.write('{"suite": "reasoning", "method": "k4v2+ti')  # a record cut short by the interruption
+    monkeypatch.setattr(tasks, "generate_items", real)
+    summary = runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1)
+    assert summary["methods"]["bf16"]["n"] == summary["methods"]["k4v2+tile_size=64"]["n"] == 5
+    assert json.loads(out.read_text())["settings"]["sampling"] == {"do_sample": False}
+    ids = [json.loads(line)["key"] for line in (tmp_path / "run.jsonl").read_text().splitlines()
+           if line.endswith("}")]
+    assert sorted(ids) == sorted([f"t{i}" for i in range(5)] * 2)  # nothing was generated twice
+
+
+def test_eval_cli_end_to_end(tmp_path, capsys):
+    model, tokenizer = build_model("llama"), char_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer": "6"}\n')
+    code = main(["eval", "--model", str(tmp_path / "model"), "--suite", "jsonl", "--tasks",
+                 str(tmp_path / "tasks.jsonl"), "--checker", "last-number", "--presets", "k4v2,hf-fp8",
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out.json")])
+    assert code == 0
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert set(summary["methods"]) == {"bf16", "k4v2", "hf-fp8"}
+    assert summary["methods"]["k4v2"]["last-number"]["ci95"][1] <= 1
+    assert summary["methods"]["bf16"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
+    assert main(["eval", "--model", "nowhere/model", "--suite", "reasoning", "--out", str(tmp_path / "x.json")]) == 2
+    assert "cannot load model 'nowhere/model' offline" in capsys.readouterr().err
