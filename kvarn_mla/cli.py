@@ -90,6 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .evaluation.demo import demo
+
+    demo(args.model, args.presets, args.max_new_tokens, args.prompt_tokens)
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
@@ -153,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--dtype-bytes", type=float, default=2,
                          help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
     planner.set_defaults(run=_plan)
+
+    show = commands.add_parser("demo", help="the bundled MLA reference model: 16-bit cache vs KVarN presets")
+    show.add_argument("--model", default="mla", help="mla | gqa | mha (bundled, default mla), a model directory, or "
+                      "a cached hub name")
+    show.add_argument("--presets", default="k4v2,k2v2", help="methods to compare with the 16-bit cache")
+    show.add_argument("--max-new-tokens", type=int, default=None,
+                      help="cap on generated tokens per prompt (default: the whole reasoning answer, 256 of code)")
+    show.add_argument("--prompt-tokens", type=int, default=384, help="tokens of held-out code in the code prompt")
+    show.set_defaults(run=_demo)
 
     evaluate = commands.add_parser("eval", help="accuracy of cache methods on a model (resumable)")
     evaluate.add_argument("--model", required=True, help="mla | gqa | mha (bundled), a model directory, or a cached "

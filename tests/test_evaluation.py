@@ -241,3 +241,17 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     assert summary["methods"]["bf16"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
     assert main(["eval", "--model", "nowhere/model", "--suite", "reasoning", "--out", str(tmp_path / "x.json")]) == 2
     assert "cannot load model 'nowhere/model' offline" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end_on_a_short_setting(tmp_path, capsys):
+    model, tokenizer = build_model("deepseek_v3"), char_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert main(["demo", "--model", str(tmp_path), "--max-new-tokens", "12", "--prompt-tokens", "150",
+                 "--presets", "k4v2+tile_size=64+sink_tokens=64,k2v2+tile_size=64+sink_tokens=0"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [line for line in table if line.startswith("code (")]
+    assert [row.split()[2] for row in rows] == ["bf16", "k4v2+tile_size=64+sink_tokens=64",
+                                                "k2v2+tile_size=64+sink_tokens=0"]
+    assert "100.0%" in rows[0] and " 1.00x" in rows[0]  # the reference agrees with itself, 16-bit cache
+    assert float(rows[2].split()[4].rstrip("x")) > 1.0  # the 2-bit cache holds fewer bytes
