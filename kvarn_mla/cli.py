@@ -90,6 +90,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .evaluation.bench import run_bench
+
+    torch.set_num_threads(args.threads)
+    rows = run_bench(args.families.split(","), [int(c) for c in args.contexts.split(",")], args.steps,
+                     Path(args.out), prefill_up_to=args.prefill_up_to)
+    print(f"\n| family | context | stock decode ms | k4v2 decode ms | speedup | stock prefill ms | k4v2 prefill ms "
+          f"| store / decode | cache MiB stock -> k4v2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        prefill = (f"{r['stock_prefill_ms']:.0f} | {r['k4v2_prefill_ms']:.0f}" if "stock_prefill_ms" in r
+                   else "- | -")
+        print(f"| {r['family']} | {r['context']} | {r['stock_decode_ms']:.1f} | {r['k4v2_decode_ms']:.1f} | "
+              f"{r['decode_speedup']:.2f}x | {prefill} | {r['store_fraction_of_decode']:.2%} | "
+              f"{r['stock_cache_mib']:.1f} -> {r['k4v2_cache_mib']:.1f} |")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .evaluation.demo import demo
 
@@ -160,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--dtype-bytes", type=float, default=2,
                          help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
     planner.set_defaults(run=_plan)
+
+    bench = commands.add_parser("bench", help="decode/prefill time, memory and store cost, patched vs stock (CPU)")
+    bench.add_argument("--families", default="mla,gqa", help="mla (DeepSeek-V2-Lite widths), gqa (Llama-3-8B)")
+    bench.add_argument("--contexts", default="1024,4096,8192,16384")
+    bench.add_argument("--steps", type=int, default=3, help="timed decode steps per point (median)")
+    bench.add_argument("--prefill-up-to", type=int, default=16384, help="time prefill up to this context")
+    bench.add_argument("--threads", type=int, default=2)
+    bench.add_argument("--out", default="benchmarks/results", help="directory for bench_cpu.csv / .json")
+    bench.set_defaults(run=_bench)
 
     show = commands.add_parser("demo", help="the bundled MLA reference model: 16-bit cache vs KVarN presets")
     show.add_argument("--model", default="mla", help="mla | gqa | mha (bundled, default mla), a model directory, or "
