@@ -45,6 +45,11 @@ def test_parse_methods():
     assert (grid.config.latent_bits, grid.config.rope_bits, grid.config.hadamard) == (2, 8, False)
     assert parse_method("hf-quanto-2").cache_kwargs == {"nbits": 2} and parse_method("hf-fp8").nbits is None
     assert [m.name for m in parse_methods("k2v2, hf-fp8")] == ["bf16", "k2v2", "hf-fp8"]
+    three = parse_method("kivi-3").config
+    assert (three.key_bits, three.value_bits, three.latent_bits, three.rope_bits, three.method) == (3, 3, 3, 16, "rtn")
+    assert parse_method("rot-2+rope_bits=8").config.rope_bits == 8 and parse_method("kvarn-4").config.method == "kvarn"
+    with pytest.raises(ValueError, match="key_bits must be one of"):
+        parse_method("kvarn-5")
     with pytest.raises(ValueError, match="unknown method 'k9'"):
         parse_method("k9")
     with pytest.raises(ValueError, match="'bits=2' is not field=value"):

@@ -4,6 +4,8 @@ A method is named by a string:
 
 * ``"bf16"`` — the unpatched model and its ``DynamicCache`` (the reference; any model dtype);
 * a KVarN preset, optionally with field overrides: ``"k4v2"``, ``"kivi-k2v2"``, ``"k4v2+latent_bits=2+rope_bits=8"``;
+* a quantizer at one bit width for every quantized stream (keys, values, latent; the RoPE key stays 16-bit):
+  ``"kvarn-3"``, ``"kivi-2"`` (no rotation, no normalization), ``"rot-4"`` (rotation only);
 * transformers' own quantized caches on the unpatched model: ``"hf-quanto-2"``, ``"hf-quanto-4"``, ``"hf-hqq-2"``,
   ``"hf-hqq-4"`` (need optimum-quanto / hqq) and ``"hf-fp8"``.
 """
@@ -22,6 +24,7 @@ from ..config import PRESETS, KVarNConfig, field_names, resolve_config
 from ..patch import patch, unpatch
 
 REFERENCE = "bf16"
+UNIFORM = {"kvarn": {}, "kivi": dict(hadamard=False, varnorm_iters=0), "rot": dict(hadamard=True, varnorm_iters=0)}
 HF_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4), "fp8": (None,)}
 
 
@@ -100,16 +103,25 @@ def parse_method(name: str) -> Method:
         kwargs = {} if nbits is None else {"nbits": nbits}
         return Method(name, "hf", backend=backend, nbits=nbits, cache_kwargs=kwargs)
     preset, *changes = name.split("+")
+    family, _, bits = preset.partition("-")
+    if family in UNIFORM and bits.isdigit():
+        base = KVarNConfig(key_bits=int(bits), value_bits=int(bits), latent_bits=int(bits), **UNIFORM[family])
+        return Method(name, "kvarn", config=_with_changes(base, changes, name))
     if preset not in PRESETS:
         raise ValueError(f"unknown method {name!r}: use {REFERENCE!r}, a preset {sorted(PRESETS)} (optionally "
-                         f"'+field=value' with fields {field_names()}), or hf-quanto-2/4, hf-hqq-2/4, hf-fp8")
+                         f"'+field=value' with fields {field_names()}), kvarn-B / kivi-B / rot-B with B in "
+                         "(2, 3, 4, 8), or hf-quanto-2/4, hf-hqq-2/4, hf-fp8")
+    return Method(name, "kvarn", config=_with_changes(resolve_config(preset), changes, name))
+
+
+def _with_changes(config: KVarNConfig, changes: list[str], name: str) -> KVarNConfig:
     overrides = {}
     for change in changes:
         key, _, value = change.partition("=")
         if key not in field_names() or not value:
             raise ValueError(f"{name!r}: '{change}' is not field=value with a field of {field_names()}")
         overrides[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
-    return Method(name, "kvarn", config=resolve_config(preset, **overrides))
+    return config.replace(**overrides) if overrides else config
 
 
 def parse_methods(names: str) -> list[Method]:
