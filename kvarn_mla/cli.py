@@ -112,6 +112,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .report import build_report
+
+    path = build_report(Path(args.results), Path(args.out), rerun=args.rerun)
+    print(f"wrote {path} and {path.with_suffix('.html')}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .evaluation.demo import demo
 
@@ -191,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=2)
     bench.add_argument("--out", default="benchmarks/results", help="directory for bench_cpu.csv / .json")
     bench.set_defaults(run=_bench)
+
+    report = commands.add_parser("report", help="architecture comparison report (markdown + html + PNG charts)")
+    report.add_argument("--out", required=True, help="output directory")
+    report.add_argument("--results", default="benchmarks/results", help="results directory to read")
+    report.add_argument("--rerun", action="store_true", help="recompute bench and accuracy results first (slow)")
+    report.set_defaults(run=_report)
 
     show = commands.add_parser("demo", help="the bundled MLA reference model: 16-bit cache vs KVarN presets")
     show.add_argument("--model", default="mla", help="mla | gqa | mha (bundled, default mla), a model directory, or "

@@ -1,0 +1,82 @@
+"""PNG charts of the report (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display; the report only writes files
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def bar_chart(rows: list[tuple[str, dict]], methods: list[str], path: Path) -> None:
+    """Grouped bars: KV bytes per token per model (rows of ``(model, {method: bytes})``) and method."""
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(methods)
+    for index, method in enumerate(methods):
+        axis.bar([i + index * width for i in range(len(rows))], [values[method] / 1024 for _, values in rows],
+                 width, label=method)
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [name for name, _ in rows], rotation=30,
+                    ha="right")
+    axis.set_ylabel("KiB per token (all layers)")
+    axis.set_yscale("log")
+    axis.legend(fontsize=8, ncol=3)
+    axis.set_title("KV-cache bytes per token at 32K context")
+    _save(figure, path)
+
+
+def curve_chart(curves: dict[str, tuple[list[float], list[float] | None]], title: str, path: Path) -> None:
+    """KL per chunk: accumulated (solid) and static (dashed) for each method."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for index, (method, (accumulated, static)) in enumerate(sorted(curves.items())):
+        color = f"C{index}"
+        axis.plot(range(len(accumulated)), accumulated, color=color, label=f"{method} accumulated")
+        if static:
+            axis.plot(range(len(static)), static, color=color, linestyle="--", label=f"{method} static")
+    axis.set_xlabel("chunk (128 tokens)")
+    axis.set_ylabel("KL to 16-bit (nats)")
+    axis.set_yscale("log")
+    axis.set_title(title)
+    axis.legend(fontsize=7)
+    _save(figure, path)
+
+
+def pareto_chart(points: list[tuple[str, str, float, float]], path: Path) -> None:
+    """Reasoning accuracy vs bytes per token, one marker style per family; points are (family, method, B, acc)."""
+    figure, axis = plt.subplots(figsize=(8, 5))
+    markers = {"MHA": "o", "GQA": "s", "MLA": "^"}
+    for family in sorted({p[0] for p in points}):
+        mine = [p for p in points if p[0] == family]
+        axis.scatter([p[2] for p in mine], [100 * p[3] for p in mine], marker=markers.get(family, "x"),
+                     label=family, s=30)
+        for _, method, x, y in mine:
+            axis.annotate(method, (x, 100 * y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    axis.set_xscale("log")
+    axis.set_xlabel("KV bytes per token at 4K (all layers)")
+    axis.set_ylabel("reasoning exact match (%)")
+    axis.set_title("Reasoning accuracy vs cache bytes")
+    axis.legend()
+    _save(figure, path)
+
+
+def speed_chart(rows: list[dict], path: Path) -> None:
+    """Decode ms per step vs context, stock (dashed) vs k4v2 (solid), per family."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for index, family in enumerate(sorted({r["family"] for r in rows})):
+        mine = sorted((r for r in rows if r["family"] == family), key=lambda r: r["context"])
+        contexts = [r["context"] for r in mine]
+        axis.plot(contexts, [r["stock_decode_ms"] for r in mine], f"C{index}--", label=f"{family} stock")
+        axis.plot(contexts, [r["k4v2_decode_ms"] for r in mine], f"C{index}-", marker="o", label=f"{family} k4v2")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("context (tokens)")
+    axis.set_ylabel("ms per decode step")
+    axis.set_title("Decode step time on CPU")
+    axis.legend(fontsize=8)
+    _save(figure, path)
