@@ -1,0 +1,42 @@
+"""The accuracy sweep of the committed results (issue: error accumulation, reasoning, baselines).
+
+Runs `kvarn_mla.evaluation.sweep.sweep` (every reference model × method × bit width, resumable: rerun to continue)
+into `benchmarks/results/accuracy/`, then rebuilds the report (`benchmarks/report/`), whose tables and PNG curves
+are the results' presentation.
+
+    python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
+    python benchmarks/accuracy.py --models mla --suites accumulation --items 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from kvarn_mla.evaluation.sweep import sweep
+from kvarn_mla.report import build_report
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mla,gqa,mha")
+    parser.add_argument("--suites", default="accumulation,reasoning,worst-vectors")
+    parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
+                    suites=args.suites.split(","), batch_size=args.batch_size)
+    if results["_missing_baselines"]:
+        print("baselines that could not run:", results["_missing_baselines"])
+    print("report:", build_report(HERE / "results", HERE / "report"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
