@@ -1,7 +1,7 @@
 """What every family adapter shares: the attention entry point registered with transformers, masks, fallbacks.
 
-Adapters map a family's cache onto two streams (see `kvarn_mla.quant.store`) and its queries and outputs onto the
-streams' two products, ``scores`` and ``weighted_sum``. They never touch transformers' module globals: everything
+Adapters map a family's cache onto two streams (see `kvarn_mla.quant.store`) and its queries and outputs onto
+grouped-query attention over those streams (`attend`). They never touch transformers' module globals: everything
 they change lives on the attention module instances that `kvarn_mla.patch` hands them, and is undone by `restore`.
 """
 
