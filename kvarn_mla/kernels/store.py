@@ -15,15 +15,35 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..quant.hadamard import hadamard_block_size
 from ..quant.rtn import packed_width
 from ..quant.tile import AXES, QuantizedTile
 from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, STD_MAX, STD_MIN, TIE_SLACK
-from .common import check_triton_device
+from .common import check_triton_device, interpreter_enabled
 
 _CHUNK_ELEMENTS = 4096  # float64 elements per chunk held in registers
 _TIE = tl.constexpr(TIE_SLACK)
+# float64 exp/log: libdevice's __nv_exp/__nv_log when compiled for CUDA (tl.exp/tl.log lower to float32
+# approximations there), numpy's under the interpreter, which has no libdevice.
+_LIBDEVICE = tl.constexpr(not interpreter_enabled())
+
+
+@triton.jit
+def _exp64(x):
+    if _LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log64(x):
+    if _LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -51,11 +71,11 @@ def _stats_pass(
     count = tl.sum(tl.zeros_like(ch_log), axis=0)
     tok_hi = tl.sum(tl.zeros_like(ch_log), axis=0)
     tok_lo = tok_hi + float("inf")
-    inv_ch = tl.exp(-ch_log)
+    inv_ch = _exp64(-ch_log)
     for t0 in range(0, G, BLOCK_T):
         rows = t0 + offs_t
         x = tl.load(rot_ptr + rows[:, None] * D + offs_d[None, :], mask=d_mask[None, :], other=0.0).to(tl.float64)
-        inv_tok = tl.exp(-tl.load(tok_ptr + rows))
+        inv_tok = _exp64(-tl.load(tok_ptr + rows))
         y = x * inv_tok[:, None] * inv_ch[None, :]
         if HAS_MASK:
             w = tl.load(valid_ptr + rows).to(tl.float64)
@@ -85,7 +105,7 @@ def _update_tokens(tok_ptr, valid_ptr, offs_t, G: tl.constexpr, BLOCK_T: tl.cons
     for t0 in range(0, G, BLOCK_T):
         rows = t0 + offs_t
         std = tl.minimum(tl.maximum(tl.load(tok_ptr + 2 * G + rows), 1e-3), 1e3)
-        step = tl.log(std)
+        step = _log64(std)
         if HAS_MASK:
             step = step * tl.load(valid_ptr + rows).to(tl.float64)
         log = tl.minimum(tl.maximum(tl.load(tok_ptr + rows) + step, -0.3), 10.0)
@@ -94,7 +114,7 @@ def _update_tokens(tok_ptr, valid_ptr, offs_t, G: tl.constexpr, BLOCK_T: tl.cons
 
 @triton.jit
 def _update_channels(ch_log, ch_std, d_mask):
-    step = tl.log(tl.minimum(tl.maximum(ch_std, 1e-3), 1e3))
+    step = _log64(tl.minimum(tl.maximum(ch_std, 1e-3), 1e3))
     return tl.where(d_mask, tl.minimum(tl.maximum(ch_log + step, -0.3), 10.0), 0.0)
 
 
@@ -170,7 +190,7 @@ def _store_kernel(
 
     # 3. Asymmetric min-max RTN per row of z = x / (token_scale * channel_scale), in float64.
     QMAX: tl.constexpr = (1 << BITS) - 1
-    inv_ch = tl.exp(-best_ch)
+    inv_ch = _exp64(-best_ch)
     if AXIS_CHANNEL:  # rows are channels: min/max over the valid tokens first
         lo = tl.full((BLOCK_D,), float("inf"), tl.float64)
         hi = tl.full((BLOCK_D,), float("-inf"), tl.float64)
@@ -178,7 +198,7 @@ def _store_kernel(
         for t0 in range(0, G, BLOCK_T):
             rows = t0 + offs_t
             x = tl.load(rot_ptr + rows[:, None] * D + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-            z = x.to(tl.float64) * tl.exp(-tl.load(tok_ptr + G + rows))[:, None] * inv_ch[None, :]
+            z = x.to(tl.float64) * _exp64(-tl.load(tok_ptr + G + rows))[:, None] * inv_ch[None, :]
             if HAS_MASK:
                 ok = tl.load(valid_ptr + rows) != 0
                 any_valid += tl.sum(ok.to(tl.float64), axis=0)
@@ -191,26 +211,26 @@ def _store_kernel(
         lo = tl.where(any_valid > 0, lo, 0.0)
         hi = tl.where(any_valid > 0, hi, 0.0)
         step = tl.maximum((hi - lo) / QMAX, 1e-10)
-        row_scale = tl.exp(best_ch)
+        row_scale = _exp64(best_ch)
         tl.store(scale_ptr + offs_d, (row_scale * step).to(tl.float32).to(tl.float16), mask=d_mask)
         tl.store(zero_ptr + offs_d, (row_scale * lo).to(tl.float32).to(tl.float16), mask=d_mask)
     else:  # columns are channels: their scale is gamma
-        tl.store(gamma_ptr + offs_d, tl.exp(best_ch).to(tl.float32).to(tl.float16), mask=d_mask)
+        tl.store(gamma_ptr + offs_d, _exp64(best_ch).to(tl.float32).to(tl.float16), mask=d_mask)
 
     for t0 in range(0, G, BLOCK_T):
         rows = t0 + offs_t
         x = tl.load(rot_ptr + rows[:, None] * D + offs_d[None, :], mask=d_mask[None, :], other=0.0)
         tok_log = tl.load(tok_ptr + G + rows)
-        z = x.to(tl.float64) * tl.exp(-tok_log)[:, None] * inv_ch[None, :]
+        z = x.to(tl.float64) * _exp64(-tok_log)[:, None] * inv_ch[None, :]
         if AXIS_CHANNEL:
             v = (z - lo[None, :]) / step[None, :]
-            tl.store(gamma_ptr + rows, tl.exp(tok_log).to(tl.float32).to(tl.float16))
+            tl.store(gamma_ptr + rows, _exp64(tok_log).to(tl.float32).to(tl.float16))
         else:  # rows are tokens: min/max over channels, within the chunk
             t_lo = tl.min(tl.where(d_mask[None, :], z, float("inf")), axis=1)
             t_hi = tl.max(tl.where(d_mask[None, :], z, float("-inf")), axis=1)
             t_step = tl.maximum((t_hi - t_lo) / QMAX, 1e-10)
             v = (z - t_lo[:, None]) / t_step[:, None]
-            row_scale = tl.exp(tok_log)
+            row_scale = _exp64(tok_log)
             tl.store(scale_ptr + rows, (row_scale * t_step).to(tl.float32).to(tl.float16))
             tl.store(zero_ptr + rows, (row_scale * t_lo).to(tl.float32).to(tl.float16))
         codes = tl.minimum(tl.maximum(_round_half_even(v), 0.0), QMAX).to(tl.int32)
