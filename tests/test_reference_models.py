@@ -55,12 +55,33 @@ def test_load_offline_and_solve_a_held_out_item(name, monkeypatch):
     assert wrong == 0, f"{name}: {wrong} of {len(target)} target tokens mispredicted"
 
 
-def test_training_script_smoke(tmp_path):
+def _train_reference():
     sys.path.insert(0, str(REPO / "benchmarks" / "models"))
     try:
         import train_reference
     finally:
         sys.path.pop(0)
+    return train_reference
+
+
+@pytest.mark.parametrize("name", ["mla", "gqa"])
+def test_packed_documents_do_not_see_each_other(name):
+    # Training packs several items per row; with the document mask and restarted positions each one gets
+    # exactly the logits it would get alone (as at generation time).
+    tr = _train_reference()
+    tok = type("Tok", (), {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1})()
+    model = tr.build_model(tr.build_config(name, tr.SMOKE, tok)).eval()
+    model.config._attn_implementation = "sdpa_pad_v"
+    a, b = torch.randint(2, 512, (1, 7)), torch.randint(2, 512, (1, 5))
+    mask, positions = tr.doc_mask_and_positions(torch.tensor([[0] * 7 + [1] * 5]))
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([a, b], 1), attention_mask=mask, position_ids=positions).logits
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_training_script_smoke(tmp_path):
+    train_reference = _train_reference()
     results = tmp_path / "mla.json"
     metrics = train_reference.main(
         [
