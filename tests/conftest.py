@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run in the interpreter on this CPU-only machine; the flag must be set before triton is imported.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+import torch  # (does not import triton)
+
+# Without a GPU the Triton kernels run in Triton's interpreter; the flag must be set before triton is imported.
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
