@@ -13,32 +13,33 @@ def test_items_are_deterministic():
     assert R.held_out_items(5) == [R.make_item(i, "held_out") for i in range(5)]
     # pinned, so a change to the generator (which would silently change the benchmark) fails loudly
     item = R.make_item(0, "held_out")
-    assert len(item.values) == 105 and item.target.endswith("<|k105|>8>3<|answer|>3")
+    assert item.prompt.endswith(":7555400455664872<|scratchpad|>") and item.num_rows == 31
+    assert item.target.endswith("\n0561162044513523<|answer|>3")
 
 
-def test_splits_never_share_an_instance():
+def test_splits_never_share_a_starting_row():
     held = R.held_out_items(300)
     train = R.train_items(3000)
-    assert all(R.instance_split(it.values) == "held_out" for it in held)
-    assert all(R.instance_split(it.values) == "train" for it in train)
-    assert not {it.values for it in held} & {it.values for it in train}
-    assert len({it.values for it in held}) == len(held)
+    assert all(R.instance_split(it.rows[0]) == "held_out" for it in held)
+    assert all(R.instance_split(it.rows[0]) == "train" for it in train)
+    assert not {it.rows[0] for it in held} & {it.rows[0] for it in train}
+    assert len({it.rows[0] for it in held}) == len(held)
 
 
 def test_item_structure():
     for it in R.held_out_items(50):
-        assert R.MIN_LEN <= len(it.values) <= R.MAX_LEN
-        s = 0
-        for a, got in zip(it.values, it.sums):
-            s = (s + a) % R.MODULUS
-            assert got == s
-        assert it.answer == str(it.sums[-1])
-        assert it.prompt.startswith(R.PROBLEM) and it.prompt.endswith(R.SCRATCHPAD)
-        steps = it.target.split(R.ANSWER)[0]
-        assert steps == "".join(f"<|k{i}|>{a}>{s}" for i, (a, s) in enumerate(zip(it.values, it.sums), 1))
+        assert R.MIN_ROWS <= it.num_rows <= R.MAX_ROWS
+        assert all(len(r) == R.WIDTH for r in it.rows)
+        for above, row in zip(it.rows, it.rows[1:]):
+            for j, cell in enumerate(row):
+                assert cell == ((row[j - 1] if j else 0) + above[j]) % R.MODULUS
+        assert it.answer == str(it.rows[-1][-1])
+        assert it.prompt.startswith(R.PROBLEM) and it.prompt.endswith("".join(map(str, it.rows[0])) + R.SCRATCHPAD)
+        lines = it.target.split(R.ANSWER)[0].split("\n")
+        assert lines == ["".join(map(str, r)) for r in it.rows[1:]]
         assert it.text == it.prompt + it.target + R.EOS
-        # several hundred generated tokens: 4 per step (key, digit, '>', digit) + answer
-        assert R.KEYS[len(it.values) - 1] in it.target and 4 * len(it.values) >= 200
+        # several hundred generated tokens: digits are single tokens, 17 per row with the newline
+        assert len(it.target) >= 17 * R.MIN_ROWS
 
 
 def _corruptions(target: str, rng: random.Random, k: int) -> list[str]:
@@ -49,8 +50,8 @@ def _corruptions(target: str, rng: random.Random, k: int) -> list[str]:
         out.append(target[:pos] + bad + target[pos + 1 :])
     out.append(target[:-1])  # truncated answer
     out.append(target.split(R.ANSWER)[0])  # no answer at all
-    out.append(target.replace(">", "", 1))  # format slip
-    out.append(target.replace("<|k2|>", "<|k3|>", 1))  # wrong key
+    out.append(target.replace("\n", "", 1))  # a missing row break
+    out.append(target.split("\n", 1)[1])  # a missing row
     return out
 
 
@@ -67,14 +68,21 @@ def test_checker_accepts_reference_and_rejects_corruptions_on_every_held_out_ite
 
 def test_check_answer_is_the_loose_variant():
     it = R.make_item(1, "held_out")
-    steps, ans = it.target.split(R.ANSWER)
-    broken = steps.replace(">", ">>", 1) + R.ANSWER + ans  # a broken scratchpad with the right answer
+    rows, ans = it.target.split(R.ANSWER)
+    broken = rows.replace("\n", "\n\n", 1) + R.ANSWER + ans  # a broken scratchpad with the right answer
     assert R.check_answer(it, broken) and not R.check(it, broken)
     assert R.parse_answer(broken + R.EOS) == it.answer
     assert R.parse_answer("no answer here") is None
 
 
-@pytest.mark.parametrize("kwargs", [{"split": "test"}, {"index": -1}, {"max_len": 201}, {"modulus": 11}])
+def test_solve_and_render_match_the_docstring_example():
+    rows = R.solve(tuple(int(c) for c in "3141592653589793"), 3)
+    prompt, target = R.render(rows)
+    assert prompt == "<|problem|>running sums mod 7:3141592653589793<|scratchpad|>"
+    assert target == "3412024314235503\n3013352563516440\n3340313103121522<|answer|>2"
+
+
+@pytest.mark.parametrize("kwargs", [{"split": "test"}, {"index": -1}, {"min_rows": 0}, {"modulus": 11}])
 def test_bad_arguments_raise(kwargs):
     args = {"index": 0, "split": "train", **kwargs}
     with pytest.raises(ValueError):

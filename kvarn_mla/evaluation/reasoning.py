@@ -1,24 +1,28 @@
-"""Long-chain reasoning task: running sums modulo a prime, written out step by step.
+"""Long-chain reasoning task: iterated running sums modulo a prime, written out row by row.
 
-An item lists ``n`` single digits ``a_1 .. a_n`` (50 <= n <= 200), each labelled by a key token
-``<|k1|> .. <|kn|>``. The model must write the whole scratchpad, step ``i`` being ``<|ki|>a_i>s_i`` with
-``s_i = (s_{i-1} + a_i) mod p`` (``s_0 = 0``), and then the final sum::
+An item gives a row of ``W = 16`` digits. The model must write ``G`` more rows (16 <= G <= 48 held out),
+each the running sums modulo ``p = 7`` of the row above, one row per line, and then the last number::
 
-    prompt: <|problem|>sum mod 7:<|k1|>3<|k2|>5<|k3|>9...<|scratchpad|>
-    target: <|k1|>3>3<|k2|>5>1<|k3|>9>3...<|answer|>3
+    prompt: <|problem|>running sums mod 7:3141592653589793<|scratchpad|>
+    target: 3412024314235503
+            3013352563516440
+            3340313103121522<|answer|>2        (here G = 3)
 
-Why this shape: every ``s_i`` depends on ``s_{i-1}``, so one wrong token anywhere in the 200-800 generated
-tokens breaks every later step, and :func:`check` demands the whole target exactly (a lucky final digit
-does not count). Each step needs a long-range lookup (recall ``a_i`` from the prompt by its key) and a
-short-range one (the previous sum, 4 tokens back), which is exactly the traffic a quantized KV cache has
-to get right. The keys are single format tokens so that the lookup is one-token associative recall,
-which a few-million-parameter model learns within a CPU-hour; with two-digit indices (``07:3``) the
-lookup needs a two-token match and our pilots had not learned it after 2.4M training tokens. Values and
-sums stay single-digit tokens, so the arithmetic is digit arithmetic.
+so cell ``(g, j) = (cell(g, j-1) + cell(g-1, j)) mod p``. One wrong digit changes every later cell to its
+right in its row and below it, so an early slip breaks the end (the last cell is downstream of every
+cell); :func:`check` demands the whole target exactly. A chain is 17 tokens per row (digits are single
+tokens), 274-818 generated tokens held out.
 
-Instances are drawn from ``random.Random`` seeded with a string (stable across Python versions and
-processes), and assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the instance itself, so the
-two splits never share an instance no matter how many items are drawn from either.
+Why this shape (measured, see benchmarks/models/README.md): the reference models must learn the task
+in about a CPU-hour. Lookups whose target is found by content (a value by its index or key token) or
+sits more than ~30 tokens back were still at chance after 300-400 training steps in every pilot, while
+the two fixed-offset lookups here (the cell to the left, 1 token back, and the cell above, 17 back)
+are learned within ~250 steps. The cell above is the token the previous row wrote 17 positions earlier,
+so every step reads the cache across a row boundary.
+
+Instances come from ``random.Random`` seeded with a string (stable across Python versions and processes)
+and are assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the starting row, so the splits
+never share a starting row, whatever the number of rows or items drawn.
 """
 
 from __future__ import annotations
@@ -31,20 +35,23 @@ __all__ = [
     "ANSWER",
     "EOS",
     "HELD_OUT_PERCENT",
-    "KEYS",
-    "MAX_LEN",
-    "MIN_LEN",
+    "MAX_ROWS",
+    "MIN_ROWS",
     "MODULUS",
+    "PAD",
     "PROBLEM",
     "SCRATCHPAD",
-    "SPLITS",
     "SPECIAL_TOKENS",
+    "SPLITS",
+    "WIDTH",
     "Item",
     "check",
     "check_answer",
     "held_out_items",
     "instance_split",
     "make_item",
+    "render",
+    "solve",
     "parse_answer",
     "train_items",
 ]
@@ -55,13 +62,13 @@ SCRATCHPAD = "<|scratchpad|>"
 ANSWER = "<|answer|>"
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-MAX_LEN = 200  # longest chain, and number of key tokens
-KEYS: tuple[str, ...] = tuple(f"<|k{i}|>" for i in range(1, MAX_LEN + 1))
-SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER, *KEYS)
+SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER)
 
-MODULUS = 7  # prime; sums stay single digits so every step has the same width (4 tokens)
-MIN_LEN = 50  # held-out chain lengths are drawn uniformly from [MIN_LEN, MAX_LEN]
-HELD_OUT_PERCENT = 10  # share of the instance space that is held out (hash-based, see instance_split)
+MODULUS = 7  # prime; cells after the first row are single digits 0..6
+WIDTH = 16  # digits per row; the cell above is WIDTH + 1 tokens back (the row separator counts)
+MIN_ROWS = 16  # held-out items have MIN_ROWS..MAX_ROWS generated rows
+MAX_ROWS = 48
+HELD_OUT_PERCENT = 10  # share of starting rows that are held out (hash-based, see instance_split)
 SPLITS = ("train", "held_out")
 
 
@@ -73,22 +80,25 @@ class Item:
         index: position of the item within its split (``make_item(index, split)`` rebuilds it).
         split: ``"train"`` or ``"held_out"``.
         modulus: the prime ``p``.
-        values: the digits ``a_1 .. a_n``.
-        sums: the running sums ``s_1 .. s_n`` (``s_i = (s_{i-1} + a_i) mod p``).
+        rows: the starting row (digits 0..9) followed by the ``G`` generated rows (digits 0..p-1).
         prompt: text given to the model, ending in ``<|scratchpad|>``.
-        target: exact text the model must generate after the prompt (scratchpad, ``<|answer|>``, final
-            sum), without the end-of-text token.
-        answer: the final sum ``s_n`` as text.
+        target: exact text the model must generate after the prompt (rows separated by newlines,
+            ``<|answer|>``, the last cell), without the end-of-text token.
+        answer: the last cell as text.
     """
 
     index: int
     split: str
     modulus: int
-    values: tuple[int, ...]
-    sums: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
     prompt: str
     target: str
     answer: str
+
+    @property
+    def num_rows(self) -> int:
+        """Number of generated rows ``G``."""
+        return len(self.rows) - 1
 
     @property
     def text(self) -> str:
@@ -96,52 +106,59 @@ class Item:
         return self.prompt + self.target + EOS
 
 
-def instance_split(values: tuple[int, ...], modulus: int = MODULUS) -> str:
-    """Split an instance belongs to, from a SHA-256 hash of the instance (not of its index).
+def instance_split(start: tuple[int, ...], modulus: int = MODULUS) -> str:
+    """Split a starting row belongs to, from a SHA-256 hash of the row (not of the item index).
 
     Args:
-        values: the digits ``a_1 .. a_n``.
+        start: the starting row.
         modulus: the prime ``p``.
 
     Returns:
-        ``"held_out"`` for ``HELD_OUT_PERCENT`` percent of the instance space, ``"train"`` otherwise.
+        ``"held_out"`` for ``HELD_OUT_PERCENT`` percent of starting rows, ``"train"`` otherwise.
     """
-    key = f"{modulus}|{''.join(map(str, values))}".encode()
+    key = f"{modulus}|{''.join(map(str, start))}".encode()
     bucket = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100
     return "held_out" if bucket < HELD_OUT_PERCENT else "train"
 
 
-def _render(values: tuple[int, ...], modulus: int) -> tuple[tuple[int, ...], str, str]:
-    sums: list[int] = []
-    s = 0
-    for a in values:
-        s = (s + a) % modulus
-        sums.append(s)
-    prompt = f"{PROBLEM}sum mod {modulus}:" + "".join(f"{k}{a}" for k, a in zip(KEYS, values)) + SCRATCHPAD
-    steps = "".join(f"{k}{a}>{s}" for k, (a, s) in zip(KEYS, zip(values, sums)))
-    target = f"{steps}{ANSWER}{sums[-1]}"
-    return tuple(sums), prompt, target
+def solve(start: tuple[int, ...], num_rows: int, modulus: int = MODULUS) -> tuple[tuple[int, ...], ...]:
+    """The starting row followed by ``num_rows`` rows of running sums modulo ``modulus``."""
+    rows = [tuple(start)]
+    for _ in range(num_rows):
+        out, s = [], 0
+        for x in rows[-1]:
+            s = (s + x) % modulus
+            out.append(s)
+        rows.append(tuple(out))
+    return tuple(rows)
+
+
+def render(rows: tuple[tuple[int, ...], ...], modulus: int = MODULUS) -> tuple[str, str]:
+    """Prompt and target text for a solved grid (``rows[0]`` is the starting row)."""
+    prompt = f"{PROBLEM}running sums mod {modulus}:" + "".join(map(str, rows[0])) + SCRATCHPAD
+    target = "\n".join("".join(map(str, r)) for r in rows[1:]) + f"{ANSWER}{rows[-1][-1]}"
+    return prompt, target
 
 
 def make_item(
     index: int,
     split: str = "held_out",
     *,
-    min_len: int = MIN_LEN,
-    max_len: int = MAX_LEN,
+    min_rows: int = MIN_ROWS,
+    max_rows: int = MAX_ROWS,
     modulus: int = MODULUS,
 ) -> Item:
     """Build item ``index`` of ``split``, deterministically.
 
-    Draws candidates from ``random.Random(f"{split}/{index}/{attempt}")`` until one hashes into ``split``
-    (about 10 attempts for ``"held_out"``, 1.1 for ``"train"``).
+    Draws candidates from ``random.Random(f"{split}/{index}/{attempt}")`` until the starting row hashes
+    into ``split`` (about 10 attempts for ``"held_out"``, 1.1 for ``"train"``).
 
     Args:
         index: item number within the split, ``>= 0``.
         split: ``"train"`` or ``"held_out"``.
-        min_len: shortest chain (number of digits), ``>= 1``.
-        max_len: longest chain, ``<= MAX_LEN`` (one key token per step).
-        modulus: the prime ``p``, at most 10 so sums are single digits.
+        min_rows: fewest generated rows, ``>= 1``.
+        max_rows: most generated rows.
+        modulus: the prime ``p``, at most 10 so cells are single digits.
 
     Returns:
         The item.
@@ -150,18 +167,19 @@ def make_item(
         raise ValueError(f"split must be one of {SPLITS}, got {split=}")
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index=}")
-    if not 1 <= min_len <= max_len <= MAX_LEN:
-        raise ValueError(f"need 1 <= min_len <= max_len <= {MAX_LEN}, got {min_len=}, {max_len=}")
+    if not 1 <= min_rows <= max_rows:
+        raise ValueError(f"need 1 <= min_rows <= max_rows, got {min_rows=}, {max_rows=}")
     if not 2 <= modulus <= 10:
-        raise ValueError(f"modulus must be in [2, 10] so sums are one digit, got {modulus=}")
+        raise ValueError(f"modulus must be in [2, 10] so cells are one digit, got {modulus=}")
     attempt = 0
     while True:
         rng = random.Random(f"{split}/{index}/{attempt}")
-        n = rng.randint(min_len, max_len)
-        values = tuple(rng.randrange(10) for _ in range(n))
-        if instance_split(values, modulus) == split:
-            sums, prompt, target = _render(values, modulus)
-            return Item(index, split, modulus, values, sums, prompt, target, str(sums[-1]))
+        num_rows = rng.randint(min_rows, max_rows)
+        start = tuple(rng.randrange(10) for _ in range(WIDTH))
+        if instance_split(start, modulus) == split:
+            rows = solve(start, num_rows, modulus)
+            prompt, target = render(rows, modulus)
+            return Item(index, split, modulus, rows, prompt, target, str(rows[-1][-1]))
         attempt += 1
 
 
@@ -171,7 +189,7 @@ def held_out_items(n: int, start: int = 0, **kwargs: int) -> list[Item]:
     Args:
         n: number of items.
         start: index of the first item.
-        **kwargs: ``min_len``, ``max_len``, ``modulus`` forwarded to :func:`make_item`.
+        **kwargs: ``min_rows``, ``max_rows``, ``modulus`` forwarded to :func:`make_item`.
     """
     return [make_item(i, "held_out", **kwargs) for i in range(start, start + n)]
 
@@ -195,7 +213,7 @@ def parse_answer(generated_text: str) -> str | None:
 
 
 def check(item: Item, generated_text: str) -> bool:
-    """Exact match of the whole generation (scratchpad and answer) against ``item.target``.
+    """Exact match of the whole generation (every row and the answer) against ``item.target``.
 
     Args:
         item: the instance.
@@ -203,7 +221,7 @@ def check(item: Item, generated_text: str) -> bool:
             the first ``<|endoftext|>`` on and surrounding whitespace are ignored.
 
     Returns:
-        True only if every step and the final answer are exactly right.
+        True only if every cell and the final answer are exactly right.
     """
     return _clean(generated_text) == item.target
 
