@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.set_defaults(run=_plan)
 
     bench = commands.add_parser("bench", help="decode/prefill time, memory and store cost, patched vs stock (CPU)")
-    bench.add_argument("--families", default="mla,gqa", help="mla (DeepSeek-V2-Lite widths), gqa (Llama-3-8B)")
+    bench.add_argument("--families", default="mla,gqa,mha",
+                       help="mla (DeepSeek-V2-Lite widths), gqa (Llama-3-8B), mha (Llama-2-7B)")
     bench.add_argument("--contexts", default="1024,4096,8192,16384")
     bench.add_argument("--steps", type=int, default=3, help="timed decode steps per point (median)")
     bench.add_argument("--prefill-up-to", type=int, default=16384, help="time prefill up to this context")

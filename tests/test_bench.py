@@ -31,7 +31,8 @@ def test_fill_leaves_the_requested_context_and_pending_tiles():
 
 
 def test_benchmark_families_have_the_published_attention_widths():
-    mla, gqa = FAMILIES["mla"][1], FAMILIES["gqa"][1]
+    mla, gqa, mha = FAMILIES["mla"][1], FAMILIES["gqa"][1], FAMILIES["mha"][1]
     assert (mla["num_attention_heads"], mla["kv_lora_rank"], mla["qk_rope_head_dim"], mla["qk_nope_head_dim"],
             mla["v_head_dim"]) == (16, 512, 64, 128, 128)
     assert (gqa["num_attention_heads"], gqa["num_key_value_heads"], gqa["head_dim"]) == (32, 8, 128)
+    assert (mha["num_attention_heads"], mha["num_key_value_heads"], mha["head_dim"]) == (32, 32, 128)

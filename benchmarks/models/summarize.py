@@ -69,18 +69,18 @@ def main() -> None:
             f"{r['exact_match']:.3f} ({r['correct']}/{r['n']}) | {lo:.3f}-{hi:.3f} | {r['final_answer_acc']:.3f} |"
         )
     print()
-    steps = sorted({h["step"] for m in runs.values() for h in m["history"] if "tf_acc_copy" in h})
+    steps = sorted({h["step"] for m in runs.values() for h in m["history"] if "tf_acc_cell" in h})
     if steps:
         print(
-            "Monitoring during training (16 other held-out items; teacher-forced copy accuracy / greedy exact match):\n"
+            "Monitoring during training (16 other held-out items; teacher-forced cell accuracy / greedy exact match):\n"
         )
         print("| step | " + " | ".join(runs) + " |")
         print("|---|" + "---|" * len(runs))
         for st in steps:
             cells = []
             for m in runs.values():
-                h = next((h for h in m["history"] if h["step"] == st and "tf_acc_copy" in h), None)
-                cells.append(f"{h['tf_acc_copy']:.2f} / {h['monitor_exact_match']:.2f}" if h else "")
+                h = next((h for h in m["history"] if h["step"] == st and "tf_acc_cell" in h), None)
+                cells.append(f"{h['tf_acc_cell']:.3f} / {h['monitor_exact_match']:.2f}" if h else "")
             print(f"| {st} | " + " | ".join(cells) + " |")
 
 

@@ -1,9 +1,9 @@
 """`kvarn-mla bench`: decode and prefill time, memory, and store cost, patched vs stock, per attention family.
 
 Models are 2 decoder layers with the attention widths of real checkpoints and random bf16 weights (the timing
-does not depend on the values): DeepSeek-V2-Lite for MLA (16 heads, latent 512 + RoPE 64, nope 128, v 128) and
-Llama-3-8B for GQA (32/8 heads, head_dim 128). Decode is timed on caches pre-filled with random states, so a
-16K context does not need a 16K prefill first.
+does not depend on the values): DeepSeek-V2-Lite for MLA (16 heads, latent 512 + RoPE 64, nope 128, v 128),
+Llama-3-8B for GQA (32/8 heads, head_dim 128) and Llama-2-7B for MHA (32/32 heads, head_dim 128). Decode is timed
+on caches pre-filled with random states, so a 16K context does not need a 16K prefill first.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ FAMILIES = {
     # Llama-3-8B attention, 2 layers.
     "gqa": ("llama", dict(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, intermediate_size=14336, vocab_size=1024, max_position_embeddings=65536)),
+    # Llama-2-7B attention (one kv head per query head), 2 layers.
+    "mha": ("llama", dict(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
+                          head_dim=128, intermediate_size=11008, vocab_size=1024, max_position_embeddings=65536)),
 }
 
 

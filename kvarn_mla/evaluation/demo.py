@@ -40,10 +40,10 @@ def demo_prompts(tokenizer, new_tokens: int | None, prompt_tokens: int) -> list[
     """A held-out reasoning item (when the tokenizer knows the task's format tokens) and held-out code."""
     prompts = []
     if reasoning.SCRATCHPAD in tokenizer.get_vocab():
-        item = reasoning.make_item(0, "held_out", min_len=60, max_len=80)
+        item = reasoning.make_item(0, "held_out", min_rows=24, max_rows=24)  # 408 generated tokens
         ids = tokenizer(item.prompt, return_tensors="pt", add_special_tokens=False).input_ids
         target = len(tokenizer(item.target, add_special_tokens=False).input_ids) + 4
-        prompts.append(Prompt(f"reasoning ({len(item.values)} steps)", ids, min(target, new_tokens or target),
+        prompts.append(Prompt(f"reasoning ({item.num_rows} rows)", ids, min(target, new_tokens or target),
                               lambda text, item=item: reasoning.check(item, text)))
     from .data import read_code_files
 

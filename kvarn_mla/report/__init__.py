@@ -210,7 +210,7 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
         from ..evaluation.bench import run_bench
         from ..evaluation.sweep import sweep
 
-        run_bench(["mla", "gqa"], [1024, 4096, 8192, 16384], 3, results)
+        run_bench(["mla", "gqa", "mha"], [1024, 4096, 8192, 16384], 3, results)
         sweep(results / "accuracy")
     byte_lines, byte_numbers = bytes_section(out)
     accuracy_lines, accuracy = accuracy_section(results, out)
