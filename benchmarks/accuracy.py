@@ -28,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suites", default="accumulation,reasoning,worst-vectors")
     parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
-                    suites=args.suites.split(","), batch_size=args.batch_size)
+                    suites=args.suites.split(","), batch_size=args.batch_size,
+                    bits=tuple(int(b) for b in args.bits.split(",")))
     if results["_missing_baselines"]:
         print("baselines that could not run:", results["_missing_baselines"])
     print("report:", build_report(HERE / "results", HERE / "report"))

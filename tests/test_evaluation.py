@@ -260,3 +260,14 @@ def test_demo_runs_end_to_end_on_a_short_setting(tmp_path, capsys):
                                                 "k2v2+tile_size=64+sink_tokens=0"]
     assert "100.0%" in rows[0] and " 1.00x" in rows[0]  # the reference agrees with itself, 16-bit cache
     assert float(rows[2].split()[4].rstrip("x")) > 1.0  # the 2-bit cache holds fewer bytes
+
+
+def test_sweep_method_lists_follow_the_bit_selection():
+    from kvarn_mla.evaluation.methods import parse_methods
+    from kvarn_mla.evaluation.sweep import mla_grid, quantizers, transformers_baselines
+
+    assert quantizers((2, 4)) == ["kvarn-2", "kivi-2", "rot-2", "kvarn-4", "kivi-4", "rot-4"]
+    grid = parse_methods(",".join(mla_grid((3,))))[1:]  # [0] is the bf16 reference
+    assert [(m.config.latent_bits, m.config.rope_bits) for m in grid] == [(3, 4), (3, 8)]
+    runnable, missing = transformers_baselines((3,))  # transformers' caches have no 3-bit setting here
+    assert runnable == ["hf-fp8"] and set(missing) <= {"hf-quanto", "hf-hqq"}

@@ -18,12 +18,21 @@ from .methods import parse_methods
 from .runner import load_model, run
 from .tasks import reasoning_items
 
-QUANTIZERS = [f"{family}-{bits}" for bits in (2, 3, 4) for family in ("kvarn", "kivi", "rot")]
-MLA_GRID = [f"kvarn-{latent}+rope_bits={rope}" for latent in (2, 3, 4) for rope in (4, 8, 16)]
+BITS = (2, 3, 4)
 
 
-def transformers_baselines() -> tuple[list[str], dict[str, str]]:
-    """transformers' own quantized caches that can run here, and why the others cannot."""
+def quantizers(bits=BITS) -> list[str]:
+    """KVarN, KIVI-style and rotation-only at each bit width."""
+    return [f"{family}-{b}" for b in bits for family in ("kvarn", "kivi", "rot")]
+
+
+def mla_grid(bits=BITS) -> list[str]:
+    """MLA latent bits (``bits``) x RoPE-key bits (4, 8, 16); latent-b + RoPE 16 is ``kvarn-b`` itself."""
+    return [f"kvarn-{latent}+rope_bits={rope}" for latent in bits for rope in (4, 8)]
+
+
+def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
+    """transformers' own quantized caches that can run here (at ``bits`` among 2 and 4), and why the others cannot."""
     runnable, missing = ["hf-fp8"], {}
     for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
         try:
@@ -31,24 +40,28 @@ def transformers_baselines() -> tuple[list[str], dict[str, str]]:
         except ModuleNotFoundError:
             found = False
         if found:
-            runnable += [f"hf-{backend}-2", f"hf-{backend}-4"]
+            runnable += [f"hf-{backend}-{b}" for b in bits if b in (2, 4)]
         else:
             missing[f"hf-{backend}"] = f"python package {package!r} is not installed"
     return runnable, missing
 
 
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=("accumulation", "reasoning",
-          "worst-vectors"), batch_size: int = 16) -> dict:
-    """Run the sweep (resumable) and return ``{model: {suite: summary}}``."""
+          "worst-vectors"), batch_size: int = 16, bits=BITS) -> dict:
+    """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
+
+    ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
+    3 bits to the same files and redoes nothing).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    baselines, missing = transformers_baselines()
+    baselines, missing = transformers_baselines(bits)
     results = {"_missing_baselines": missing}
     for name in models:
         model, tokenizer = load_model(name, torch.float32)
-        grid = MLA_GRID if name == "mla" else []
+        grid = mla_grid(bits) if name == "mla" else []
         methods = {
-            "accumulation": parse_methods(",".join(QUANTIZERS + baselines + grid)),
-            "reasoning": parse_methods(",".join(QUANTIZERS + baselines + grid)),
+            "accumulation": parse_methods(",".join(quantizers(bits) + baselines + grid)),
+            "reasoning": parse_methods(",".join(quantizers(bits) + baselines + grid)),
             "worst-vectors": parse_methods("kvarn-2,kivi-2,rot-2,kvarn-4,kivi-4"),
         }
         results[name] = {}
