@@ -13,8 +13,8 @@ def test_items_are_deterministic():
     assert R.held_out_items(5) == [R.make_item(i, "held_out") for i in range(5)]
     # pinned, so a change to the generator (which would silently change the benchmark) fails loudly
     item = R.make_item(0, "held_out")
-    assert item.prompt.endswith(":7555400455664872<|scratchpad|>") and item.num_rows == 31
-    assert item.target.endswith("\n0561162044513523<|answer|>3")
+    assert item.prompt == "<|problem|>7555400455664872<|scratchpad|>" and item.num_rows == 31
+    assert item.target.endswith("<|scratchpad|>0561162044513523<|answer|>3")
 
 
 def test_splits_never_share_a_starting_row():
@@ -35,10 +35,10 @@ def test_item_structure():
                 assert cell == ((row[j - 1] if j else 0) + above[j]) % R.MODULUS
         assert it.answer == str(it.rows[-1][-1])
         assert it.prompt.startswith(R.PROBLEM) and it.prompt.endswith("".join(map(str, it.rows[0])) + R.SCRATCHPAD)
-        lines = it.target.split(R.ANSWER)[0].split("\n")
+        lines = it.target.split(R.ANSWER)[0].split(R.SCRATCHPAD)
         assert lines == ["".join(map(str, r)) for r in it.rows[1:]]
         assert it.text == it.prompt + it.target + R.EOS
-        # several hundred generated tokens: digits are single tokens, 17 per row with the newline
+        # several hundred generated tokens: digits are single tokens, 17 per row with the row break
         assert len(it.target) >= 17 * R.MIN_ROWS
 
 
@@ -50,8 +50,8 @@ def _corruptions(target: str, rng: random.Random, k: int) -> list[str]:
         out.append(target[:pos] + bad + target[pos + 1 :])
     out.append(target[:-1])  # truncated answer
     out.append(target.split(R.ANSWER)[0])  # no answer at all
-    out.append(target.replace("\n", "", 1))  # a missing row break
-    out.append(target.split("\n", 1)[1])  # a missing row
+    out.append(target.replace(R.SCRATCHPAD, "", 1))  # a missing row break
+    out.append(target.split(R.SCRATCHPAD, 1)[1])  # a missing row
     return out
 
 
@@ -69,7 +69,7 @@ def test_checker_accepts_reference_and_rejects_corruptions_on_every_held_out_ite
 def test_check_answer_is_the_loose_variant():
     it = R.make_item(1, "held_out")
     rows, ans = it.target.split(R.ANSWER)
-    broken = rows.replace("\n", "\n\n", 1) + R.ANSWER + ans  # a broken scratchpad with the right answer
+    broken = rows.replace(R.SCRATCHPAD, R.SCRATCHPAD * 2, 1) + R.ANSWER + ans  # a broken scratchpad with the right answer
     assert R.check_answer(it, broken) and not R.check(it, broken)
     assert R.parse_answer(broken + R.EOS) == it.answer
     assert R.parse_answer("no answer here") is None
@@ -78,8 +78,8 @@ def test_check_answer_is_the_loose_variant():
 def test_solve_and_render_match_the_docstring_example():
     rows = R.solve(tuple(int(c) for c in "3141592653589793"), 3)
     prompt, target = R.render(rows)
-    assert prompt == "<|problem|>running sums mod 7:3141592653589793<|scratchpad|>"
-    assert target == "3412024314235503\n3013352563516440\n3340313103121522<|answer|>2"
+    assert prompt == "<|problem|>3141592653589793<|scratchpad|>"
+    assert target == "3412024314235503<|scratchpad|>3013352563516440<|scratchpad|>3340313103121522<|answer|>2"
 
 
 @pytest.mark.parametrize("kwargs", [{"split": "test"}, {"index": -1}, {"min_rows": 0}, {"modulus": 11}])

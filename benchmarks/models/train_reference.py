@@ -81,8 +81,14 @@ class Recipe:
     train_max_rows: int = 48  # training items have 1..48 generated rows (held-out: 16..48)
     prompt_loss: bool = True  # also train on prompt tokens (the random starting row is not predictable,
     #   but this keeps the objective plain next-token prediction over the whole item)
-    steps: int = 500
-    lr: float = 2e-3
+    task_steps: int = 400  # the run opens with reasoning-only rows of task_context tokens (items of 1..task_max_rows
+    #   rows, constant lr after warmup): mixed with code from step 0, the 17-back lookup never formed within 270
+    #   steps, while 512-token reasoning-only probes learned it in ~250
+    task_context: int = 512
+    task_max_rows: int = 16
+    steps: int = 650  # all steps: task_steps, then mixed code + reasoning at the full context
+    lr: float = 2e-3  # task phase; the mixed phase decays from mixed_lr by a cosine to min_lr_ratio * mixed_lr
+    mixed_lr: float = 1e-3
     warmup: int = 50
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -105,6 +111,9 @@ SMOKE = Recipe(
     batch_rows=2,
     code_every=2,
     train_max_rows=3,
+    task_steps=1,
+    task_context=64,
+    task_max_rows=2,
     steps=3,
     warmup=1,
     compile=False,
@@ -227,9 +236,9 @@ AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
 class Data:
     """Deterministic batches: ``batch(step)`` is a pure function of the step, so resuming is exact.
 
-    A reasoning row packs whole training items from the start (prompt tokens carry no loss: they are
-    random digits) and is topped up with a code window; a code row is one window of the packed train
-    split (files joined by ``<|endoftext|>``).
+    The first ``task_steps`` batches are reasoning rows only, ``task_context`` tokens long. After that, a
+    reasoning row packs whole training items from the start and is topped up with a code window; a code row
+    (every ``code_every``-th) is one window of the packed train split (files joined by ``<|endoftext|>``).
     """
 
     def __init__(self, tok: PreTrainedTokenizerFast, r: Recipe, max_files: int | None = None) -> None:
@@ -252,14 +261,14 @@ class Data:
         target = self.tok(item.target, add_special_tokens=False)["input_ids"] + [self.eos]
         return prompt, target
 
-    def _reasoning_row(self, step: int, row: int) -> tuple[list[int], list[int], list[int]]:
-        n = self.r.context + 1
+    def _reasoning_row(self, step: int, row: int, context: int, max_rows: int) -> tuple[list[int], list[int], list[int]]:
+        n = context + 1
         ids: list[int] = []
         kind: list[int] = []
         doc: list[int] = []
         first = (step * self.r.batch_rows + row) * 128  # disjoint item ranges per row
         for j in range(128):
-            item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=self.r.train_max_rows)
+            item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=max_rows)
             p, t = self.encode_item(item)
             if len(ids) + len(p) + len(t) > n:
                 continue  # try the next (maybe shorter) item; the rest of the row is topped up with code
@@ -277,9 +286,16 @@ class Data:
         """Token ids, per-token kinds (``NO_LOSS``, ``REASONING``, ``CODE``, ``PROMPT``) and document ids, each
         ``[batch_rows, context + 1]``, for optimizer step ``step``."""
         rows, kinds, docs = [], [], []
+        if step < self.r.task_steps:
+            for row in range(self.r.batch_rows):
+                ids, kind, doc = self._reasoning_row(step, row, self.r.task_context, self.r.task_max_rows)
+                rows.append(ids)
+                kinds.append(kind)
+                docs.append(doc)
+            return torch.tensor(rows), torch.tensor(kinds), torch.tensor(docs)
         for row in range(self.r.batch_rows):
             if (step * self.r.batch_rows + row) % self.r.code_every != self.r.code_every - 1:
-                ids, kind, doc = self._reasoning_row(step, row)
+                ids, kind, doc = self._reasoning_row(step, row, self.r.context, self.r.train_max_rows)
             else:
                 ids = self._code_window(self.r.context + 1, (step, row, 0)).tolist()
                 kind, doc = [CODE] * len(ids), [0] * len(ids)
@@ -389,7 +405,7 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
         logits = model(input_ids=torch.tensor([p + t])).logits[0, len(p) - 1 : -1]
         ok = (logits.argmax(-1) == torch.tensor(t)).tolist()
         all_right += all(ok)
-        row = reasoning.WIDTH + 1  # digits + newline
+        row = reasoning.WIDTH + 1  # digits + row break
         for j, o in enumerate(ok[: row * it.num_rows - 1]):
             if j % row < reasoning.WIDTH:
                 hits["cell"].append(o)
@@ -435,11 +451,12 @@ def eval_code(model: PreTrainedModel, data: Data, max_tokens: int | None) -> dic
 
 # --------------------------------------------------------------------------------------------- train
 def lr_at(step: int, r: Recipe) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < r.warmup:
-        return r.lr * (step + 1) / r.warmup
-    t = (step - r.warmup) / max(1, r.steps - r.warmup)
-    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    """Task phase: linear warmup to ``lr``, then constant. Mixed phase: cosine from ``mixed_lr`` to
+    ``min_lr_ratio * mixed_lr`` at the last step."""
+    if step < r.task_steps:
+        return r.lr * min(1.0, (step + 1) / r.warmup)
+    t = (step - r.task_steps) / max(1, r.steps - r.task_steps)
+    return r.mixed_lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 def count_params(model: PreTrainedModel) -> dict[str, int]:

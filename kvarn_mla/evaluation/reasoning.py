@@ -1,24 +1,25 @@
 """Long-chain reasoning task: iterated running sums modulo a prime, written out row by row.
 
 An item gives a row of ``W = 16`` digits. The model must write ``G`` more rows (16 <= G <= 48 held out),
-each the running sums modulo ``p = 7`` of the row above, one row per line, and then the last number::
+each the running sums modulo ``p = 7`` of the row above, every row followed by the ``<|scratchpad|>`` token
+that also ends the prompt, and then the last number::
 
-    prompt: <|problem|>running sums mod 7:3141592653589793<|scratchpad|>
-    target: 3412024314235503
-            3013352563516440
-            3340313103121522<|answer|>2        (here G = 3)
+    prompt: <|problem|>3141592653589793<|scratchpad|>
+    target: 3412024314235503<|scratchpad|>3013352563516440<|scratchpad|>3340313103121522<|answer|>2   (G = 3)
 
 so cell ``(g, j) = (cell(g, j-1) + cell(g-1, j)) mod p``. One wrong digit changes every later cell to its
 right in its row and below it, so an early slip breaks the end (the last cell is downstream of every
-cell); :func:`check` demands the whole target exactly. A chain is 17 tokens per row (digits are single
-tokens), 274-818 generated tokens held out.
+cell); :func:`check` demands the whole target exactly. A chain is 17 tokens per row (digits and the row
+break are single tokens), 274-818 generated tokens held out.
 
 Why this shape (measured, see benchmarks/models/README.md): the reference models must learn the task
 in about a CPU-hour. Lookups whose target is found by content (a value by its index or key token) or
 sits more than ~30 tokens back were still at chance after 300-400 training steps in every pilot, while
 the two fixed-offset lookups here (the cell to the left, 1 token back, and the cell above, 17 back)
 are learned within ~250 steps. The cell above is the token the previous row wrote 17 positions earlier,
-so every step reads the cache across a row boundary.
+so every step reads the cache across a row boundary. The row break is a special token: with a newline
+(a token code uses everywhere) neither a 512-token probe nor two full training runs learned the lookup
+within 200-300 steps, while both probes with a special-token break did (~250 steps).
 
 Instances come from ``random.Random`` seeded with a string (stable across Python versions and processes)
 and are assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the starting row, so the splits
@@ -82,7 +83,7 @@ class Item:
         modulus: the prime ``p``.
         rows: the starting row (digits 0..9) followed by the ``G`` generated rows (digits 0..p-1).
         prompt: text given to the model, ending in ``<|scratchpad|>``.
-        target: exact text the model must generate after the prompt (rows separated by newlines,
+        target: exact text the model must generate after the prompt (rows separated by ``<|scratchpad|>``,
             ``<|answer|>``, the last cell), without the end-of-text token.
         answer: the last cell as text.
     """
@@ -135,8 +136,8 @@ def solve(start: tuple[int, ...], num_rows: int, modulus: int = MODULUS) -> tupl
 
 def render(rows: tuple[tuple[int, ...], ...], modulus: int = MODULUS) -> tuple[str, str]:
     """Prompt and target text for a solved grid (``rows[0]`` is the starting row)."""
-    prompt = f"{PROBLEM}running sums mod {modulus}:" + "".join(map(str, rows[0])) + SCRATCHPAD
-    target = "\n".join("".join(map(str, r)) for r in rows[1:]) + f"{ANSWER}{rows[-1][-1]}"
+    prompt = PROBLEM + "".join(map(str, rows[0])) + SCRATCHPAD
+    target = SCRATCHPAD.join("".join(map(str, r)) for r in rows[1:]) + f"{ANSWER}{rows[-1][-1]}"
     return prompt, target
 
 
