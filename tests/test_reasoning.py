@@ -13,8 +13,8 @@ def test_items_are_deterministic():
     assert R.held_out_items(5) == [R.make_item(i, "held_out") for i in range(5)]
     # pinned, so a change to the generator (which would silently change the benchmark) fails loudly
     item = R.make_item(0, "held_out")
-    assert item.prompt == "<|problem|>7555400455664872<|scratchpad|>" and item.num_rows == 31
-    assert item.target.endswith("<|scratchpad|>0561162044513523<|answer|>3")
+    assert item.prompt == "<|problem|>317555400455664872<|scratchpad|>" and item.num_rows == 31
+    assert item.target.endswith("<|scratchpad|>000561162044513523<|answer|>3")
 
 
 def test_splits_never_share_a_starting_row():
@@ -34,12 +34,13 @@ def test_item_structure():
             for j, cell in enumerate(row):
                 assert cell == ((row[j - 1] if j else 0) + above[j]) % R.MODULUS
         assert it.answer == str(it.rows[-1][-1])
-        assert it.prompt.startswith(R.PROBLEM) and it.prompt.endswith("".join(map(str, it.rows[0])) + R.SCRATCHPAD)
+        g = it.num_rows
+        assert it.prompt == R.PROBLEM + f"{g:02d}" + "".join(map(str, it.rows[0])) + R.SCRATCHPAD
         lines = it.target.split(R.ANSWER)[0].split(R.SCRATCHPAD)
-        assert lines == ["".join(map(str, r)) for r in it.rows[1:]]
+        assert lines == [f"{g - i:02d}" + "".join(map(str, r)) for i, r in enumerate(it.rows[1:], 1)]
         assert it.text == it.prompt + it.target + R.EOS
-        # several hundred generated tokens: digits are single tokens, 17 per row with the row break
-        assert len(it.target) >= 17 * R.MIN_ROWS
+        # several hundred generated tokens: digits are single tokens, 19 per row with counter and row break
+        assert R.ROW_TOKENS == 19 and len(it.target) >= 19 * R.MIN_ROWS
 
 
 def _corruptions(target: str, rng: random.Random, k: int) -> list[str]:
@@ -78,8 +79,8 @@ def test_check_answer_is_the_loose_variant():
 def test_solve_and_render_match_the_docstring_example():
     rows = R.solve(tuple(int(c) for c in "3141592653589793"), 3)
     prompt, target = R.render(rows)
-    assert prompt == "<|problem|>3141592653589793<|scratchpad|>"
-    assert target == "3412024314235503<|scratchpad|>3013352563516440<|scratchpad|>3340313103121522<|answer|>2"
+    assert prompt == "<|problem|>033141592653589793<|scratchpad|>"
+    assert target == "023412024314235503<|scratchpad|>013013352563516440<|scratchpad|>003340313103121522<|answer|>2"
 
 
 @pytest.mark.parametrize("kwargs", [{"split": "test"}, {"index": -1}, {"min_rows": 0}, {"modulus": 11}])

@@ -1,25 +1,26 @@
 """Long-chain reasoning task: iterated running sums modulo a prime, written out row by row.
 
 An item gives a row of ``W = 16`` digits. The model must write ``G`` more rows (16 <= G <= 48 held out),
-each the running sums modulo ``p = 7`` of the row above, every row followed by the ``<|scratchpad|>`` token
-that also ends the prompt, and then the last number::
+each the running sums modulo ``p = 7`` of the row above, and then the last number. Every row, the
+prompt's included, opens with the number of rows still to write (two digits), so the model knows when to
+stop, and ends in the ``<|scratchpad|>`` token::
 
-    prompt: <|problem|>3141592653589793<|scratchpad|>
-    target: 3412024314235503<|scratchpad|>3013352563516440<|scratchpad|>3340313103121522<|answer|>2   (G = 3)
+    prompt: <|problem|>033141592653589793<|scratchpad|>
+    target: 023412024314235503<|scratchpad|>013013352563516440<|scratchpad|>003340313103121522<|answer|>2
+            (G = 3)
 
-so cell ``(g, j) = (cell(g, j-1) + cell(g-1, j)) mod p``. One wrong digit changes every later cell to its
-right in its row and below it, so an early slip breaks the end (the last cell is downstream of every
-cell); :func:`check` demands the whole target exactly. A chain is 17 tokens per row (digits and the row
-break are single tokens), 274-818 generated tokens held out.
+so cell ``(g, j) = (cell(g, j-1) + cell(g-1, j)) mod p`` and the counter is the one above minus one. One
+wrong digit changes every later cell to its right in its row and below it, so an early slip breaks the
+end (the last cell is downstream of every cell); :func:`check` demands the whole target exactly. A row
+is 19 tokens (digits and the row break are single tokens): 306-914 generated tokens held out.
 
 Why this shape (measured, see benchmarks/models/README.md): the reference models must learn the task
 in about a CPU-hour. Lookups whose target is found by content (a value by its index or key token) or
 sits more than ~30 tokens back were still at chance after 300-400 training steps in every pilot, while
-the two fixed-offset lookups here (the cell to the left, 1 token back, and the cell above, 17 back)
-are learned within ~250 steps. The cell above is the token the previous row wrote 17 positions earlier,
-so every step reads the cache across a row boundary. The row break is a special token: with a newline
-(a token code uses everywhere) neither a 512-token probe nor two full training runs learned the lookup
-within 200-300 steps, while both probes with a special-token break did (~250 steps).
+fixed-offset lookups (the cell to the left, 1 token back, and the cell above, one row back) are learned
+within a few hundred steps. The cell above is the token the previous row wrote 19 positions earlier, so
+every step reads the cache across a row boundary. The row break is a special token: with a newline (a
+token code uses everywhere) neither a 512-token probe nor two full training runs learned the lookup.
 
 Instances come from ``random.Random`` seeded with a string (stable across Python versions and processes)
 and are assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the starting row, so the splits
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ANSWER",
+    "COUNTER",
     "EOS",
     "HELD_OUT_PERCENT",
     "MAX_ROWS",
@@ -41,6 +43,7 @@ __all__ = [
     "MODULUS",
     "PAD",
     "PROBLEM",
+    "ROW_TOKENS",
     "SCRATCHPAD",
     "SPECIAL_TOKENS",
     "SPLITS",
@@ -66,7 +69,9 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER)
 
 MODULUS = 7  # prime; cells after the first row are single digits 0..6
-WIDTH = 16  # digits per row; the cell above is WIDTH + 1 tokens back (the row separator counts)
+WIDTH = 16  # cells per row
+COUNTER = 2  # digits of the rows-to-go counter that opens every row
+ROW_TOKENS = COUNTER + WIDTH + 1  # the cell above is this many tokens back (counter and row break count)
 MIN_ROWS = 16  # held-out items have MIN_ROWS..MAX_ROWS generated rows
 MAX_ROWS = 48
 HELD_OUT_PERCENT = 10  # share of starting rows that are held out (hash-based, see instance_split)
@@ -136,8 +141,12 @@ def solve(start: tuple[int, ...], num_rows: int, modulus: int = MODULUS) -> tupl
 
 def render(rows: tuple[tuple[int, ...], ...], modulus: int = MODULUS) -> tuple[str, str]:
     """Prompt and target text for a solved grid (``rows[0]`` is the starting row)."""
-    prompt = PROBLEM + "".join(map(str, rows[0])) + SCRATCHPAD
-    target = SCRATCHPAD.join("".join(map(str, r)) for r in rows[1:]) + f"{ANSWER}{rows[-1][-1]}"
+    last = len(rows) - 1
+    if last >= 10**COUNTER:
+        raise ValueError(f"at most {10**COUNTER - 1} rows fit the {COUNTER}-digit counter, got {last}")
+    text = [f"{last - g:0{COUNTER}d}" + "".join(map(str, r)) for g, r in enumerate(rows)]
+    prompt = PROBLEM + text[0] + SCRATCHPAD
+    target = SCRATCHPAD.join(text[1:]) + f"{ANSWER}{rows[-1][-1]}"
     return prompt, target
 
 
