@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
                     suites=args.suites.split(","), batch_size=args.batch_size,
                     bits=tuple(int(b) for b in args.bits.split(",")))

@@ -81,12 +81,17 @@ class Recipe:
     train_max_rows: int = 48  # training items have 1..48 generated rows (held-out: 16..48)
     prompt_loss: bool = True  # also train on prompt tokens (the random starting row is not predictable,
     #   but this keeps the objective plain next-token prediction over the whole item)
-    task_steps: int = 400  # the run opens with reasoning-only rows of task_context tokens (items of 1..task_max_rows
-    #   rows, constant lr after warmup): mixed with code from step 0, the 17-back lookup never formed within 270
-    #   steps, while 512-token reasoning-only probes learned it in ~250
+    task_steps: int = 700  # the run opens with reasoning-only rows (no code, padding without loss): mixed with
+    #   code from step 0, the one-row-back lookup never formed within 270 steps
+    task_short_steps: int = 300  # ... the first of them short: task_context tokens, items of 1..task_max_rows
+    #   rows (the lookup forms at ~150-200 steps); then task_long_context tokens, items of 1..train_max_rows
     task_context: int = 512
     task_max_rows: int = 16
-    steps: int = 550  # all steps: task_steps, then mixed code + reasoning at the full context
+    task_long_context: int = 1024
+    mixed_steps: int = 100  # then mixed code + reasoning at the full context
+    steps: int = 1000  # all steps: task, mixed, then polish: reasoning-only rows of task_long_context tokens at a
+    #   low lr (after the mixed phase the models had 0.999 teacher-forced cell accuracy but 46% exact match)
+    polish_lr: float = 5e-4
     lr: float = 2e-3  # task phase; the mixed phase decays from mixed_lr by a cosine to min_lr_ratio * mixed_lr
     mixed_lr: float = 1e-3
     warmup: int = 50
@@ -111,10 +116,13 @@ SMOKE = Recipe(
     batch_rows=2,
     code_every=2,
     train_max_rows=3,
-    task_steps=1,
+    task_steps=2,
+    mixed_steps=1,
+    task_short_steps=1,
     task_context=64,
     task_max_rows=2,
-    steps=3,
+    task_long_context=128,
+    steps=4,
     warmup=1,
     compile=False,
 )
@@ -294,9 +302,13 @@ class Data:
         """Token ids, per-token kinds (``NO_LOSS``, ``REASONING``, ``CODE``, ``PROMPT``) and document ids, each
         ``[batch_rows, context + 1]``, for optimizer step ``step``."""
         rows, kinds, docs = [], [], []
-        if step < self.r.task_steps:
+        polish = step >= self.r.task_steps + self.r.mixed_steps
+        if step < self.r.task_steps or polish:
+            short = step < self.r.task_short_steps
+            context = self.r.task_context if short else self.r.task_long_context
+            max_rows = self.r.task_max_rows if short else self.r.train_max_rows
             for row in range(self.r.batch_rows):
-                ids, kind, doc = self._reasoning_row(step, row, self.r.task_context, self.r.task_max_rows, False)
+                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False)
                 rows.append(ids)
                 kinds.append(kind)
                 docs.append(doc)
@@ -459,12 +471,14 @@ def eval_code(model: PreTrainedModel, data: Data, max_tokens: int | None) -> dic
 
 # --------------------------------------------------------------------------------------------- train
 def lr_at(step: int, r: Recipe) -> float:
-    """Task phase: linear warmup to ``lr``, then constant. Mixed phase: cosine from ``mixed_lr`` to
-    ``min_lr_ratio * mixed_lr`` at the last step."""
+    """Task phase: linear warmup to ``lr``, then constant. Mixed and polish phases: each a cosine from its peak
+    (``mixed_lr``, ``polish_lr``) to ``min_lr_ratio`` times it at the phase's last step."""
     if step < r.task_steps:
         return r.lr * min(1.0, (step + 1) / r.warmup)
-    t = (step - r.task_steps) / max(1, r.steps - r.task_steps)
-    return r.mixed_lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    mixed_end = r.task_steps + r.mixed_steps
+    peak, start, end = (r.mixed_lr, r.task_steps, mixed_end) if step < mixed_end else (r.polish_lr, mixed_end, r.steps)
+    t = (step - start) / max(1, end - start)
+    return peak * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 def count_params(model: PreTrainedModel) -> dict[str, int]:
@@ -541,7 +555,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     seen = {"input_tokens": 0, "loss_tokens": 0, "reasoning_loss_tokens": 0}
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        if st["recipe"] != asdict(r):
+        # A state from a recipe that only lacked the polish phase continues into it (its steps so far are the same).
+        if {k: v for k, v in st["recipe"].items() if k != "steps"} != {
+            k: v for k, v in asdict(r).items() if k not in ("steps", "mixed_steps", "polish_lr")
+        } and st["recipe"] != asdict(r):
             raise ValueError(f"{state_path} was written by a different recipe: {st['recipe']}")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
