@@ -65,8 +65,10 @@ def run_demo(model, tokenizer, methods: list[Method], prompts: list[Prompt]) -> 
             bar.set_postfix_str(f"{prompt.name.split()[0]} / {method.name}")
             with method.applied(model):
                 start = time.perf_counter()
+                # A checked answer may stop at end-of-text; free text runs the full length for comparison.
+                fixed = {} if prompt.check is not None else {"min_new_tokens": prompt.new_tokens}
                 out = model.generate(prompt.ids, attention_mask=torch.ones_like(prompt.ids), do_sample=False,
-                                     max_new_tokens=prompt.new_tokens, min_new_tokens=prompt.new_tokens,
+                                     max_new_tokens=prompt.new_tokens, **fixed,
                                      return_dict_in_generate=True, streamer=_Progress(bar),
                                      **method.generate_kwargs())
                 seconds = time.perf_counter() - start
@@ -76,7 +78,8 @@ def run_demo(model, tokenizer, methods: list[Method], prompts: list[Prompt]) -> 
             dense = cache.dense_nbytes() if hasattr(cache, "dense_nbytes") else _dynamic_bytes(cache, 2)
             if reference is None:
                 reference = tokens
-            same = (tokens == reference).tolist()
+            common = min(len(tokens), len(reference))
+            same = (tokens[:common] == reference[:common]).tolist() + [False] * (max(len(tokens), len(reference)) - common)
             text = tokenizer.decode(tokens, skip_special_tokens=False)
             rows.append({
                 "prompt": prompt.name, "method": method.name, "cache_bytes": held, "compression": dense / held,
