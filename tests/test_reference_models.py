@@ -97,7 +97,7 @@ def test_training_script_smoke(tmp_path):
             str(tmp_path / "run"),
         ]
     )
-    assert metrics["steps_done"] == 3 and results.exists()
+    assert metrics["steps_done"] == train_reference.SMOKE.steps == 4 and results.exists()  # task, task, mixed, polish
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     assert metrics["held_out_code"]["tokens_scored"] > 0 and metrics["held_out_reasoning"]["n"] == 2
     # Resuming from the saved state at the last step trains nothing more and gives the same weights.
