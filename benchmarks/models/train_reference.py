@@ -244,9 +244,10 @@ AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
 class Data:
     """Deterministic batches: ``batch(step)`` is a pure function of the step, so resuming is exact.
 
-    The first ``task_steps`` batches are reasoning rows only, ``task_context`` tokens long. After that, a
-    reasoning row packs whole training items from the start and is topped up with a code window; a code row
-    (every ``code_every``-th) is one window of the packed train split (files joined by ``<|endoftext|>``).
+    Task and polish phases: reasoning rows only (``task_context`` tokens for the first ``task_short_steps``,
+    ``task_long_context`` after), padded without loss. Mixed phase: a reasoning row packs whole training items
+    from the start and is topped up with a code window; a code row (every ``code_every``-th) is one window of
+    the packed train split (files joined by ``<|endoftext|>``).
     """
 
     def __init__(self, tok: PreTrainedTokenizerFast, r: Recipe, max_files: int | None = None) -> None:
@@ -288,13 +289,13 @@ class Data:
             ids += p + t
             kind += [PROMPT if self.r.prompt_loss else NO_LOSS] * len(p) + [REASONING] * len(t)
         fill = n - len(ids)
-        if fill > 0 and not top_up:
-            ids += [self.tok.pad_token_id] * fill
-            kind += [NO_LOSS] * fill
-            doc += [doc[-1] + 1 if doc else 0] * fill
-        elif fill > 0:
-            ids += [self.eos] + self._code_window(fill - 1, (step, row, 1)).tolist() if fill > 1 else [self.eos]
-            kind += [CODE] * fill
+        if fill > 0:
+            if top_up:
+                ids += [self.eos] + self._code_window(fill - 1, (step, row, 1)).tolist() if fill > 1 else [self.eos]
+                kind += [CODE] * fill
+            else:
+                ids += [self.tok.pad_token_id] * fill
+                kind += [NO_LOSS] * fill
             doc += [doc[-1] + 1 if doc else 0] * fill
         return ids, kind, doc
 
@@ -302,19 +303,14 @@ class Data:
         """Token ids, per-token kinds (``NO_LOSS``, ``REASONING``, ``CODE``, ``PROMPT``) and document ids, each
         ``[batch_rows, context + 1]``, for optimizer step ``step``."""
         rows, kinds, docs = [], [], []
-        polish = step >= self.r.task_steps + self.r.mixed_steps
-        if step < self.r.task_steps or polish:
-            short = step < self.r.task_short_steps
-            context = self.r.task_context if short else self.r.task_long_context
-            max_rows = self.r.task_max_rows if short else self.r.train_max_rows
-            for row in range(self.r.batch_rows):
-                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False)
-                rows.append(ids)
-                kinds.append(kind)
-                docs.append(doc)
-            return torch.tensor(rows), torch.tensor(kinds), torch.tensor(docs)
+        mixed = self.r.task_steps <= step < self.r.task_steps + self.r.mixed_steps
+        short = step < self.r.task_short_steps
+        context = self.r.task_context if short else self.r.task_long_context
+        max_rows = self.r.task_max_rows if short else self.r.train_max_rows
         for row in range(self.r.batch_rows):
-            if (step * self.r.batch_rows + row) % self.r.code_every != self.r.code_every - 1:
+            if not mixed:
+                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False)
+            elif (step * self.r.batch_rows + row) % self.r.code_every != self.r.code_every - 1:
                 ids, kind, doc = self._reasoning_row(step, row, self.r.context, self.r.train_max_rows, True)
             else:
                 ids = self._code_window(self.r.context + 1, (step, row, 0)).tolist()
@@ -420,12 +416,12 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
     model.eval()
     hits: dict[str, list[bool]] = {"cell": [], "row_start": []}
     all_right = 0
+    row = reasoning.ROW_TOKENS  # counter, cells, row break
     for it in items:
         p, t = data.encode_item(it)
         logits = model(input_ids=torch.tensor([p + t])).logits[0, len(p) - 1 : -1]
         ok = (logits.argmax(-1) == torch.tensor(t)).tolist()
         all_right += all(ok)
-        row = reasoning.ROW_TOKENS  # counter, cells, row break
         for j, o in enumerate(ok[: row * it.num_rows - 1]):
             if reasoning.COUNTER <= j % row < reasoning.COUNTER + reasoning.WIDTH:
                 hits["cell"].append(o)

@@ -78,8 +78,9 @@ def run_demo(model, tokenizer, methods: list[Method], prompts: list[Prompt]) -> 
             dense = cache.dense_nbytes() if hasattr(cache, "dense_nbytes") else _dynamic_bytes(cache, 2)
             if reference is None:
                 reference = tokens
-            common = min(len(tokens), len(reference))
-            same = (tokens[:common] == reference[:common]).tolist() + [False] * (max(len(tokens), len(reference)) - common)
+            common = min(len(tokens), len(reference))  # a run that stops early disagrees on the rest
+            longer = max(len(tokens), len(reference))
+            same = (tokens[:common] == reference[:common]).tolist() + [False] * (longer - common)
             text = tokenizer.decode(tokens, skip_special_tokens=False)
             rows.append({
                 "prompt": prompt.name, "method": method.name, "cache_bytes": held, "compression": dense / held,
