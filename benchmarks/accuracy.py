@@ -5,7 +5,7 @@ into `benchmarks/results/accuracy/`, then rebuilds the report (`benchmarks/repor
 are the results' presentation.
 
     python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
-    python benchmarks/accuracy.py --models mla --suites accumulation --items 20
+    python benchmarks/accuracy.py --models mla --suites accumulation-reasoning,reasoning --items 20 --bits 2,4
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvarn_mla.evaluation.sweep import sweep
+from kvarn_mla.evaluation.sweep import SUITES, sweep
 from kvarn_mla.report import build_report
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mla,gqa,mha")
-    parser.add_argument("--suites", default="accumulation,reasoning,worst-vectors")
+    parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")

@@ -14,7 +14,7 @@ import kvarn_mla
 from kvarn_mla.adapters import adapter_for
 from kvarn_mla.cli import main
 from kvarn_mla.evaluation import runner, tasks
-from kvarn_mla.evaluation.accumulation import accumulation_curve, greedy_divergence, kl_divergence
+from kvarn_mla.evaluation.accumulation import accumulation_curve, greedy_divergence, kl_divergence, reference_greedy
 from kvarn_mla.evaluation.checkers import (
     check_boxed,
     check_exact,
@@ -174,6 +174,11 @@ def test_greedy_divergence():
     assert exact == {"first_divergence": 40, "agreement": 1.0, "reference_tokens": 40, "method_tokens": 40}
     lossy = greedy_divergence(model, prompt, parse_method("k2v2+tile_size=64+sink_tokens=0"), 40, chunk=64)
     assert 0 <= lossy["first_divergence"] <= 40 and 0 < lossy["agreement"] <= 1
+    reference = reference_greedy(model, prompt, 40)  # given once, the 16-bit run is not redone per method
+    method = parse_method("k2v2+tile_size=64+sink_tokens=0")
+    assert greedy_divergence(model, prompt, method, 40, chunk=64, reference=reference) == lossy
+    # A different reference changes the result: the given one is really used.
+    assert greedy_divergence(model, prompt, method, 40, 64, reference=reference.flip(0))["first_divergence"] < 40
 
 
 # ---- worst vectors --------------------------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def test_training_script_smoke(tmp_path):
             str(tmp_path / "run"),
         ]
     )
-    assert metrics["steps_done"] == train_reference.SMOKE.steps == 4 and results.exists()  # task, task, mixed, polish
+    smoke = train_reference.SMOKE
+    assert metrics["steps_done"] == smoke.steps == 5 and results.exists()  # task, task, mixed, polish, anneal
+    assert [h["lr"] for h in metrics["history"][3:]] == [smoke.polish_lr, smoke.anneal_lr]  # each phase's peak
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     assert metrics["held_out_code"]["tokens_scored"] > 0 and metrics["held_out_reasoning"]["n"] == 2
     # Resuming from the saved state at the last step trains nothing more and gives the same weights.
@@ -119,3 +121,18 @@ def test_training_script_smoke(tmp_path):
         ]
     )
     assert again["history"] == metrics["history"]
+
+
+def test_accumulation_texts_of_the_reasoning_task():
+    from kvarn_mla.evaluation.tasks import reasoning_chain_prompt, reasoning_text
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
+    text = reasoning_text(tok, 1024)
+    first = tok(R.make_item(0).text, add_special_tokens=False).input_ids
+    assert text.shape == (1, 1024) and text[0, : len(first)].tolist() == first  # items back to back, in order
+    prompt, target_tokens = reasoning_chain_prompt(tok, rows=48)
+    item = R.make_item(0, min_rows=48, max_rows=48)
+    assert tok.decode(prompt[0]) == item.prompt
+    assert target_tokens == 48 * R.ROW_TOKENS + 1  # digits and the row break are single tokens; answer mark + digit

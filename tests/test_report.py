@@ -26,6 +26,10 @@ def results(tmp_path_factory):
         ids = torch.randint(0, 128, (1, 192), generator=torch.Generator().manual_seed(0))
         runner.run(model, tokenizer, methods, "accumulation", root / "accuracy" / f"{name}-accumulation.json",
                    text_ids=ids, chunk=64, greedy_tokens=16)
+        runner.run(model, tokenizer, methods, "accumulation", root / "accuracy" / f"{name}-accumulation-reasoning.json",
+                   text_ids=ids[:, :128], chunk=64, greedy_tokens=8, greedy_prompt=ids[:, :10])
+        runner.run(model, tokenizer, methods, "worst-vectors", root / "accuracy" / f"{name}-worst-vectors.json",
+                   text_ids=ids, context=128)
         items = [tasks.GenerationItem(f"t{i}", f"{i}+1=", {"exact": lambda text: text.startswith("1")}, 3)
                  for i in range(4)]
         runner.run(model, tokenizer, methods, "reasoning", root / "accuracy" / f"{name}-reasoning.json", items=items)
@@ -39,13 +43,14 @@ def test_report_builds_every_chart(results, tmp_path):
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--results", str(results)]) == 0
     for name in ("report.md", "report.html", "bytes_per_token.png", "accumulation_gqa.png", "accumulation_mla.png",
-                 "pareto.png", "decode_speed.png"):
+                 "accumulation-reasoning_gqa.png", "pareto.png", "decode_speed.png"):
         assert (out / name).stat().st_size > 0, name
     text = (out / "report.md").read_text()
     for heading in ("## 1. Bytes per token", "## 2. Accuracy", "## 3. Decode speed", "## 4. Discussion"):
         assert heading in text
     assert "| llama-3-8b | GQA |" in text and "| deepseek-v3 | MLA |" in text
-    assert "results/accuracy/gqa-reasoning.json" in text  # numbers name their source
+    for source in ("gqa-reasoning.json", "gqa-accumulation-reasoning.json", "mla-worst-vectors.json"):
+        assert f"results/accuracy/{source}" in text  # numbers name their source
     html = (out / "report.html").read_text()
     assert html.count("<img") == text.count("![") and "<table>" in html
 

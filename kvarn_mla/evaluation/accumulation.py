@@ -115,8 +115,13 @@ def accumulation_curve(model, ids: torch.Tensor, method: Method, chunk: int, sta
 
 
 @torch.no_grad()
-def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: int, chunk: int) -> dict:
+def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: int, chunk: int,
+                      reference: torch.Tensor | None = None) -> dict:
     """Free-running greedy decoding with the method vs the 16-bit cache.
+
+    Args:
+        reference: ``[new_tokens]`` the 16-bit greedy continuation of ``prompt`` if already known (it is the same for
+            every method; `reference_greedy` computes it).
 
     Returns:
         ``first_divergence`` (index of the first generated token that differs, or ``new_tokens`` if none),
@@ -125,7 +130,8 @@ def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: i
     """
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     mask = torch.ones_like(prompt)
-    reference = model.generate(prompt, attention_mask=mask, **settings)[0, prompt.shape[1]:]
+    if reference is None:
+        reference = reference_greedy(model, prompt, new_tokens)
     with method.applied(model):
         generated = model.generate(prompt, attention_mask=mask, **settings, **method.generate_kwargs())
     generated = generated[0, prompt.shape[1]:]
@@ -142,3 +148,11 @@ def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: i
     agreement = float((predictions[scored] == targets[scored]).float().mean())
     return {"first_divergence": first, "agreement": agreement, "reference_tokens": len(reference),
             "method_tokens": len(generated)}
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``[new_tokens]`` greedy continuation of ``prompt [1, P]`` with the model's own 16-bit cache."""
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False)
+    return out[0, prompt.shape[1]:]

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkers import wilson_interval
-from .methods import Method
+from .methods import REFERENCE, Method
 
 SUITES = ("accumulation", "reasoning", "worst-vectors", "jsonl")
 GREEDY_PROMPT = 512  # tokens of the text that prompt the free-running greedy comparison
@@ -96,6 +96,7 @@ def run(
     tokens: int = 2048,
     chunk: int = 128,
     greedy_tokens: int = 1024,
+    greedy_prompt: torch.Tensor | None = None,
     items: list | None = None,
     batch_size: int = 8,
     sampling: dict | None = None,
@@ -111,11 +112,12 @@ def run(
         text_ids: ``[1, T]`` text for accumulation/worst-vectors (default: held-out code, ``tokens`` long).
         chunk: Chunk size of the accumulation protocol (the tile size).
         greedy_tokens: Length of the free-running greedy comparison.
+        greedy_prompt: ``[1, P]`` prompt of that comparison (default: the first 512 tokens of the text).
         items: `GenerationItem` list for the generation suites.
         sampling: ``generate`` sampling arguments (default greedy).
         context: Cached tokens for worst-vectors (the rest of the text is scored).
     """
-    from .accumulation import accumulation_curve, greedy_divergence
+    from .accumulation import accumulation_curve, greedy_divergence, reference_greedy
     from .tasks import generate_items
     from .worst import worst_vectors
 
@@ -127,6 +129,8 @@ def run(
     sampling = {"do_sample": False} if sampling is None else sampling
     if suite in ("accumulation", "worst-vectors") and text_ids is None:
         text_ids = default_text(tokenizer, tokens)
+    if suite == "accumulation" and greedy_prompt is None:
+        greedy_prompt = text_ids[:, :GREEDY_PROMPT]
     name = "reasoning" if suite == "jsonl" else suite
     for method in tqdm(methods, desc=f"{suite}", unit="method"):
         if suite == "accumulation":
@@ -137,8 +141,13 @@ def run(
                 curve = accumulation_curve(model, text_ids, method, chunk, static=static)
                 log.add(name, method.name, "curve", {"curve": curve})
             if not log.has(name, method.name, "greedy"):
-                prompt = text_ids[:, :GREEDY_PROMPT]
-                log.add(name, method.name, "greedy", greedy_divergence(model, prompt, method, greedy_tokens, chunk))
+                if not log.has(name, REFERENCE, "greedy-tokens"):  # one 16-bit run serves every method
+                    tokens_16bit = reference_greedy(model, greedy_prompt, greedy_tokens).tolist()
+                    log.add(name, REFERENCE, "greedy-tokens", {"tokens": tokens_16bit})
+                reference = torch.tensor(log.records[(name, REFERENCE, "greedy-tokens")]["tokens"],
+                                         device=greedy_prompt.device)
+                log.add(name, method.name, "greedy",
+                        greedy_divergence(model, greedy_prompt, method, greedy_tokens, chunk, reference))
         elif suite == "worst-vectors":
             if method.kind == "kvarn" and not log.has(name, method.name, "worst"):
                 log.add(name, method.name, "worst", worst_vectors(model, text_ids, method, context))
@@ -151,7 +160,8 @@ def run(
             progress.close()
     summary = summarize(log, methods, name, model.config)
     summary["settings"] = {"suite": suite, "sampling": sampling, "chunk": chunk, "tokens": int(text_ids.shape[1])
-                           if text_ids is not None else None, "greedy_tokens": greedy_tokens, "context": context}
+                           if text_ids is not None else None, "greedy_tokens": greedy_tokens, "greedy_prompt_tokens":
+                           None if greedy_prompt is None else int(greedy_prompt.shape[1]), "context": context}
     out.write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -169,7 +179,7 @@ def summarize(log: ResultLog, methods: list[Method], suite: str, model_config) -
                 low, high = wilson_interval(correct, len(records))
                 row[check] = {"correct": correct, "accuracy": correct / len(records), "ci95": [low, high]}
             row["mean_new_tokens"] = statistics.mean(r["new_tokens"] for r in records)
-        elif suite == "accumulation" and records:
+        elif suite == "accumulation" and method.kind != "reference" and records:
             row = {}
             for record in records:
                 if record["key"] == "curve":

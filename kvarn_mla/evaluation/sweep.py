@@ -1,10 +1,18 @@
 """The accuracy sweep behind the committed results: every reference model × method × bit width.
 
-For each bundled reference model (MHA, GQA, MLA) it runs the accumulation suite (2,048 tokens of held-out code,
-128-token chunks, plus 1,024 tokens of free-running greedy decoding), the reasoning suite (the first ``items``
-held-out long-chain problems, greedy) and the worst-vectors diagnostic, for KVarN, KIVI-style RTN and
-rotation-only at 2, 3 and 4 bits, transformers' quantized caches where they install, and for MLA the latent-bits
-× RoPE-bits grid. Results land in ``OUT/{model}-{suite}.json`` (+ ``.jsonl`` records, resumable).
+For each bundled reference model (MHA, GQA, MLA) it runs
+
+- ``accumulation``: 2,048 tokens of held-out code in 128-token chunks, plus 1,024 tokens of free-running greedy
+  decoding from its first 512 tokens;
+- ``accumulation-reasoning``: the same protocol on 1,024 tokens of held-out reasoning items back to back (the
+  models' reasoning length; their code distributions are near unigram, so the code run says little), and greedy
+  decoding of a whole 48-row chain (914 tokens);
+- ``reasoning``: the first ``items`` held-out long-chain problems, greedy, exact match;
+- ``worst-vectors``: the diagnostic on the reasoning text (896 cached tokens, 128 scored);
+
+for KVarN, KIVI-style RTN and rotation-only at 2, 3 and 4 bits, transformers' quantized caches where they install,
+and for MLA the latent-bits × RoPE-bits grid. Results land in ``OUT/{model}-{suite}.json`` (+ ``.jsonl`` records,
+resumable).
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ import torch
 
 from .methods import parse_methods
 from .runner import load_model, run
-from .tasks import reasoning_items
+from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text
 
 BITS = (2, 3, 4)
+SUITES = ("accumulation", "accumulation-reasoning", "reasoning", "worst-vectors")
+REASONING_TOKENS = 1024  # the reasoning rows the reference models were trained on were at most this long
 
 
 def quantizers(bits=BITS) -> list[str]:
@@ -46,8 +56,8 @@ def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
     return runnable, missing
 
 
-def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=("accumulation", "reasoning",
-          "worst-vectors"), batch_size: int = 16, bits=BITS) -> dict:
+def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
+          bits=BITS) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
     ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
@@ -59,14 +69,22 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=("ac
     for name in models:
         model, tokenizer = load_model(name, torch.float32)
         grid = mla_grid(bits) if name == "mla" else []
-        methods = {
-            "accumulation": parse_methods(",".join(quantizers(bits) + baselines + grid)),
-            "reasoning": parse_methods(",".join(quantizers(bits) + baselines + grid)),
-            "worst-vectors": parse_methods("kvarn-2,kivi-2,rot-2,kvarn-4,kivi-4"),
+        compared = parse_methods(",".join(quantizers(bits) + baselines + grid))
+        worst = parse_methods(",".join(f"{family}-{b}" for b in bits for family in ("kvarn", "kivi", "rot")))
+        text = reasoning_text(tokenizer, REASONING_TOKENS)
+        chain, chain_tokens = reasoning_chain_prompt(tokenizer)
+        arguments = {
+            "accumulation": dict(suite="accumulation", methods=compared),
+            "accumulation-reasoning": dict(suite="accumulation", methods=compared, text_ids=text,
+                                           greedy_prompt=chain, greedy_tokens=chain_tokens),
+            "reasoning": dict(suite="reasoning", methods=compared, items=reasoning_items(tokenizer, items),
+                              batch_size=batch_size),
+            "worst-vectors": dict(suite="worst-vectors", methods=worst, text_ids=text,
+                                  context=REASONING_TOKENS - 128),
         }
         results[name] = {}
         for suite in suites:
-            work = reasoning_items(tokenizer, items) if suite == "reasoning" else None
-            results[name][suite] = run(model, tokenizer, methods[suite], suite, out / f"{name}-{suite}.json",
-                                       items=work, batch_size=batch_size)
+            if suite not in arguments:
+                raise ValueError(f"unknown suite {suite!r}; allowed: {SUITES}")
+            results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", **arguments[suite])
     return results

@@ -43,6 +43,30 @@ def reasoning_items(tokenizer, count: int, margin: int = 8) -> list[GenerationIt
     return items
 
 
+def reasoning_text(tokenizer, tokens: int) -> torch.Tensor:
+    """``[1, tokens]`` ids of held-out long-chain items written out back to back (prompt, scratchpad, answer, end of
+    text), the teacher-forced text of the accumulation suite on the reference models.
+
+    Almost every token of it is determined by the tokens before (only the 16 digits of each starting row are not),
+    so the 16-bit next-token distributions are sharp, unlike on code, where these small models are near unigram.
+    Keep ``tokens`` within the reasoning lengths the models were trained on (1,024): past it they lose the task.
+    """
+    ids: list[int] = []
+    index = 0
+    while len(ids) < tokens:
+        ids += tokenizer(reasoning.make_item(index).text, add_special_tokens=False).input_ids
+        index += 1
+    return torch.tensor([ids[:tokens]])
+
+
+def reasoning_chain_prompt(tokenizer, rows: int = reasoning.MAX_ROWS) -> tuple[torch.Tensor, int]:
+    """The prompt ``[1, P]`` of the first held-out item with ``rows`` rows and the length of its target in tokens:
+    the free-running greedy comparison of the accumulation suite then decodes a whole chain."""
+    item = reasoning.make_item(0, min_rows=rows, max_rows=rows)
+    prompt = tokenizer(item.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    return prompt, len(tokenizer(item.target, add_special_tokens=False).input_ids)
+
+
 def jsonl_items(path: str, checker: str, max_new_tokens: int) -> list[GenerationItem]:
     """Items of a user task file (see `kvarn_mla.evaluation.checkers.load_tasks`)."""
     return [GenerationItem(task.id, task.prompt, {task.checker: task.check}, max_new_tokens)

@@ -66,56 +66,96 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+ACCUMULATION_TEXTS = {  # results file suffix -> what the run read
+    "accumulation": "2,048 tokens of held-out code (greedy: 1,024 tokens from its first 512)",
+    "accumulation-reasoning": "1,024 tokens of held-out reasoning items back to back (greedy: a whole 48-row chain, "
+                              "914 tokens)",
+}
+
+
+def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Path) -> list[str]:
+    """Table and 2-bit KL chart of one accumulation run."""
+    curves = {m: (row["kl_curve"], row.get("kl_curve_static")) for m, row in rows.items()
+              if "kl_curve" in row and re.match(r"((kvarn|kivi|rot)-2|hf-\w+-2)$", m)}
+    chart = f"{suite}_{model}.png"
+    curve_chart(curves, f"{family} reference model, {suite}: KL at 2 bits", out / chart)
+    lines = [f"### {family}: {suite} (`results/accuracy/{model}-{suite}.json`)\n",
+             f"Text: {ACCUMULATION_TEXTS[suite]}.\n",
+             "| method | bits | KL last chunk | KL last chunk, static | KL mean | top-1 mean | greedy: first divergence "
+             "| greedy: agreement | bytes/token (4K, all layers) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, row in rows.items():
+        if "kl_last" not in row:
+            continue
+        static = row.get("kl_last_static")
+        lines.append(f"| {method} | {_bits_class(method)} | {row['kl_last']:.4f} | "
+                     f"{'-' if static is None else f'{static:.4f}'} | {row['kl_mean']:.4f} | "
+                     f"{row['top1_mean']:.3f} | {row.get('first_divergence', '-')} | "
+                     f"{row.get('agreement', float('nan')):.3f} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
+    return lines + [f"\n![{suite} {family}]({chart})\n"]
+
+
+def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], list[tuple[str, str, float, float]]]:
+    """Exact-match table of the reasoning suite, and its (family, method, bytes, accuracy) points."""
+    lines = [f"### {family}: reasoning (`results/accuracy/{model}-reasoning.json`)\n",
+             "| method | exact match | 95% CI | answer only | bytes/token (4K, all layers) |", "|---|---|---|---|---|"]
+    points = []
+    for method, row in rows.items():
+        exact = row.get("exact")
+        if exact is None:
+            continue
+        answer = row.get("answer", {}).get("accuracy")
+        lines.append(f"| {method} | {exact['accuracy']:.1%} ({exact['correct']}/{row['n']}) | "
+                     f"{exact['ci95'][0]:.1%}–{exact['ci95'][1]:.1%} | "
+                     f"{'-' if answer is None else f'{answer:.1%}'} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
+        if row.get("bytes_per_token_4k"):
+            points.append((family, method, row["bytes_per_token_4k"], exact["accuracy"]))
+    return lines + [""], points
+
+
+def _worst_lines(family: str, model: str, rows: dict) -> list[str]:
+    """The worst-vectors diagnostic: how much of the KL the largest-error vectors explain."""
+    lines = [f"### {family}: worst vectors (`results/accuracy/{model}-worst-vectors.json`)\n",
+             "KL with every cached vector quantized, and the share of it removed by restoring the 1/5/10% of vectors "
+             "with the largest error (with the share of the squared error they hold); magnitude share: the part of "
+             "the error along the exact vector (scale) rather than across it (direction).\n",
+             "| method | KL | 1%: KL explained (error share) | 5% | 10% | magnitude share |", "|---|---|---|---|---|---|"]
+    for method, row in rows.items():
+        if "fractions" not in row:
+            continue
+        cells = [f"{f['kl_explained']:.0%} ({f['error_share']:.0%})" for f in row["fractions"].values()]
+        lines.append(f"| {method} | {row['kl']:.4f} | " + " | ".join(cells) + f" | {row['magnitude_share']:.0%} |")
+    return lines + [""]
+
+
 def accuracy_section(results: Path, out: Path) -> tuple[list[str], dict]:
-    """Accumulation curves per family and reasoning accuracy vs bytes, from ``results/accuracy``."""
+    """Accumulation curves per family, reasoning accuracy vs bytes and worst vectors, from ``results/accuracy``."""
     accuracy = results / "accuracy"
     lines = ["## 2. Accuracy of the reference models\n",
              "The three reference models differ only in attention (`benchmarks/models/README.md`). "
              "Accumulation: KL divergence of next-token distributions against the 16-bit cache per 128-token "
-             "chunk of held-out code, when each chunk's K/V inherit the quantized past (solid) and when the past is "
-             "quantized from the 16-bit forward pass (static, dashed). Reasoning: exact match of the whole "
-             "scratchpad on held-out long-chain problems, greedy, with 95% Wilson intervals.\n"]
+             "chunk, when each chunk's K/V inherit the quantized past (solid) and when the past is quantized from "
+             "the 16-bit forward pass (static, dashed). Reasoning: exact match of the whole scratchpad on held-out "
+             "long-chain problems, greedy, with 95% Wilson intervals.\n"]
     numbers: dict = {}
     points = []
     for model in ("mha", "gqa", "mla"):
-        acc = _load(accuracy / f"{model}-accumulation.json")
-        rea = _load(accuracy / f"{model}-reasoning.json")
-        if acc is None and rea is None:
+        found = {suite: _load(accuracy / f"{model}-{suite}.json")
+                 for suite in (*ACCUMULATION_TEXTS, "reasoning", "worst-vectors")}
+        found = {suite: data["methods"] for suite, data in found.items() if data}
+        if not found:
             continue
         family = FAMILY_OF[model]
-        numbers[model] = {"accumulation": acc and acc["methods"], "reasoning": rea and rea["methods"]}
-        if acc:
-            curves = {m: (row["kl_curve"], row.get("kl_curve_static")) for m, row in acc["methods"].items()
-                      if "kl_curve" in row and re.match(r"((kvarn|kivi|rot)-2|hf-\w+-2)(\+|$)", m)}
-            curve_chart(curves, f"{family} reference model: error accumulation at 2 bits", out / f"accumulation_{model}.png")
-            lines.append(f"### {family}: accumulation (`results/accuracy/{model}-accumulation.json`)\n")
-            lines.append("| method | bits/elem class | KL last chunk | KL last chunk, static | KL mean | top-1 mean | "
-                         "greedy: first divergence | greedy: agreement | bytes/token (4K, all layers) |")
-            lines.append("|---|---|---|---|---|---|---|---|---|")
-            for method, row in acc["methods"].items():
-                if "kl_last" not in row:
-                    continue
-                static = row.get("kl_last_static")
-                lines.append(f"| {method} | {_bits_class(method)} | {row['kl_last']:.4f} | "
-                             f"{'-' if static is None else f'{static:.4f}'} | {row['kl_mean']:.4f} | "
-                             f"{row['top1_mean']:.3f} | {row.get('first_divergence', '-')} | "
-                             f"{row.get('agreement', float('nan')):.3f} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
-            lines.append(f"\n![accumulation {family}](accumulation_{model}.png)\n")
-        if rea:
-            lines.append(f"### {family}: reasoning (`results/accuracy/{model}-reasoning.json`)\n")
-            lines.append("| method | exact match | 95% CI | answer only | bytes/token (4K, all layers) |")
-            lines.append("|---|---|---|---|---|")
-            for method, row in rea["methods"].items():
-                exact = row.get("exact")
-                if exact is None:
-                    continue
-                answer = row.get("answer", {}).get("accuracy")
-                lines.append(f"| {method} | {exact['accuracy']:.1%} ({exact['correct']}/{row['n']}) | "
-                             f"{exact['ci95'][0]:.1%}–{exact['ci95'][1]:.1%} | "
-                             f"{'-' if answer is None else f'{answer:.1%}'} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
-                if row.get("bytes_per_token_4k"):
-                    points.append((family, method, row["bytes_per_token_4k"], exact["accuracy"]))
-            lines.append("")
+        numbers[model] = found
+        for suite in ACCUMULATION_TEXTS:
+            if suite in found:
+                lines += _accumulation_lines(family, model, suite, found[suite], out)
+        if "reasoning" in found:
+            table, model_points = _reasoning_lines(family, model, found["reasoning"])
+            lines += table
+            points += model_points
+        if "worst-vectors" in found:
+            lines += _worst_lines(family, model, found["worst-vectors"])
     if points:
         pareto_chart(points, out / "pareto.png")
         lines.append("![reasoning accuracy vs bytes per token](pareto.png)\n")
@@ -180,10 +220,13 @@ def discussion(byte_numbers: dict, accuracy: dict, speed: dict) -> list[str]:
                 acc = rea.get(method, {}).get("exact", {}).get("accuracy")
                 if acc is not None:
                     drops.append(f"{method} {100 * (acc - ref):+.1f}")
-        acc_rows = data.get("accumulation") or {}
-        kv2, ki2 = acc_rows.get("kvarn-2", {}).get("kl_last"), acc_rows.get("kivi-2", {}).get("kl_last")
-        kl = (f" At 2 bits the last accumulation chunk ends at KL {kv2:.4f} (KVarN) vs {ki2:.4f} (KIVI-style)."
-              if kv2 is not None and ki2 is not None else "")
+        kl = ""
+        for suite, text in (("accumulation", "code"), ("accumulation-reasoning", "reasoning text")):
+            acc_rows = data.get(suite) or {}
+            kv2, ki2 = acc_rows.get("kvarn-2", {}).get("kl_last"), acc_rows.get("kivi-2", {}).get("kl_last")
+            if kv2 is not None and ki2 is not None:
+                kl += (f" On {text}, the last accumulation chunk at 2 bits ends at KL {kv2:.4f} (KVarN) vs "
+                       f"{ki2:.4f} (KIVI-style).")
         lines.append(f"- {family} reference model: 16-bit exact match {ref:.1%}; change in points: "
                      f"{', '.join(drops) or 'n/a'} (section 2).{kl}")
     if speed.get("rows"):
