@@ -11,6 +11,7 @@ are the results' presentation.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,27 @@ from kvarn_mla.report import build_report
 HERE = Path(__file__).resolve().parent
 
 
+def summary_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
+    """The headline table of benchmarks/README.md, read from the committed summaries (``--summary``)."""
+    def load(model: str, suite: str) -> dict:
+        path = accuracy / f"{model}-{suite}.json"
+        return json.loads(path.read_text())["methods"] if path.exists() else {}
+
+    lines = ["| model | method | bytes/token (4K) | KL last chunk: code | reasoning text | greedy chain: first "
+             "divergence | reasoning exact match (95% CI) |", "|---|---|---|---|---|---|---|"]
+    for model in models:
+        code, text, exact = (load(model, s) for s in ("accumulation", "accumulation-reasoning", "reasoning"))
+        for method, row in exact.items():
+            if "exact" not in row:
+                continue
+            e, c, t = row["exact"], code.get(method, {}), text.get(method, {})
+            kl = [f"{x['kl_last']:.4f}" if "kl_last" in x else "–" for x in (c, t)]
+            lines.append(f"| {model.upper()} | {method} | {row['bytes_per_token_4k']:,.0f} | {kl[0]} | {kl[1]} | "
+                         f"{t.get('first_divergence', '–')} | {e['correct']}/{row['n']} ({e['ci95'][0]:.0%}–"
+                         f"{e['ci95'][1]:.0%}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mla,gqa,mha")
@@ -30,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
     args = parser.parse_args(argv)
+    if args.summary:
+        print(summary_table(HERE / "results" / "accuracy", args.models.split(",")))
+        return 0
     torch.set_num_threads(args.threads)
     results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
                     suites=args.suites.split(","), batch_size=args.batch_size,

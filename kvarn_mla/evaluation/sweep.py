@@ -69,7 +69,7 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
     for name in models:
         model, tokenizer = load_model(name, torch.float32)
         grid = mla_grid(bits) if name == "mla" else []
-        compared = parse_methods(",".join(quantizers(bits) + baselines + grid))
+        compared = parse_methods(",".join(quantizers(bits) + grid + baselines))
         worst = parse_methods(",".join(f"{family}-{b}" for b in bits for family in ("kvarn", "kivi", "rot")))
         text = reasoning_text(tokenizer, REASONING_TOKENS)
         chain, chain_tokens = reasoning_chain_prompt(tokenizer)
