@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
+    parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
     args = parser.parse_args(argv)
     if args.summary:
         print(summary_table(HERE / "results" / "accuracy", args.models.split(",")))
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
                     suites=args.suites.split(","), batch_size=args.batch_size,
-                    bits=tuple(int(b) for b in args.bits.split(",")))
+                    bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run)
     if results["_missing_baselines"]:
         print("baselines that could not run:", results["_missing_baselines"])
     print("report:", build_report(HERE / "results", HERE / "report"))

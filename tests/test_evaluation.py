@@ -225,6 +225,9 @@ def test_generation_suite_resumes_after_an_interruption(tmp_path, monkeypatch):
         runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1)
     log_lines = (tmp_path / "run.jsonl").read_text().splitlines()
     assert len(log_lines) == 5 + 2 and not out.exists()
+    partial = runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), compute=False)
+    assert partial["methods"]["bf16"]["n"] == 5 and partial["methods"]["k4v2+tile_size=64"]["n"] == 2
+    assert (tmp_path / "run.jsonl").read_text().splitlines() == log_lines  # summarizing generated nothing
     with (tmp_path / "run.jsonl").open("a") as f:
         f.write('{"suite": "reasoning", "method": "k4v2+ti')  # a record cut short by the interruption
     monkeypatch.setattr(tasks, "generate_items", real)

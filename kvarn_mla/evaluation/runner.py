@@ -101,6 +101,7 @@ def run(
     batch_size: int = 8,
     sampling: dict | None = None,
     context: int = 1024,
+    compute: bool = True,
 ) -> dict:
     """Run ``suite`` for every method, resuming from ``out.jsonl``, and write the summary to ``out``.
 
@@ -116,6 +117,7 @@ def run(
         items: `GenerationItem` list for the generation suites.
         sampling: ``generate`` sampling arguments (default greedy).
         context: Cached tokens for worst-vectors (the rest of the text is scored).
+        compute: False only summarizes the records already in ``out.jsonl`` (a stopped run's partial table).
     """
     from .accumulation import accumulation_curve, greedy_divergence, reference_greedy
     from .tasks import generate_items
@@ -132,7 +134,7 @@ def run(
     if suite == "accumulation" and greedy_prompt is None:
         greedy_prompt = text_ids[:, :GREEDY_PROMPT]
     name = "reasoning" if suite == "jsonl" else suite
-    for method in tqdm(methods, desc=f"{suite}", unit="method"):
+    for method in tqdm(methods if compute else [], desc=f"{suite}", unit="method"):
         if suite == "accumulation":
             if method.kind == "reference":
                 continue

@@ -57,11 +57,12 @@ def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
 
 
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
-          bits=BITS) -> dict:
+          bits=BITS, compute: bool = True) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
     ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
-    3 bits to the same files and redoes nothing).
+    3 bits to the same files and redoes nothing). ``compute=False`` only rewrites the summaries from the records
+    there (the tables of a run that was stopped).
     """
     out.mkdir(parents=True, exist_ok=True)
     baselines, missing = transformers_baselines(bits)
@@ -86,5 +87,8 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
         for suite in suites:
             if suite not in arguments:
                 raise ValueError(f"unknown suite {suite!r}; allowed: {SUITES}")
-            results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", **arguments[suite])
+            if not compute and not (out / f"{name}-{suite}.jsonl").exists():
+                continue
+            results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", compute=compute,
+                                       **arguments[suite])
     return results
