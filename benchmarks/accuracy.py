@@ -29,16 +29,17 @@ def summary_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
         path = accuracy / f"{model}-{suite}.json"
         return json.loads(path.read_text())["methods"] if path.exists() else {}
 
-    lines = ["| model | method | bytes/token (4K) | KL last chunk: code | reasoning text | greedy chain: first "
-             "divergence | reasoning exact match (95% CI) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | bytes/token (4K) | code: KL last chunk | reasoning text: KL last chunk | KL mean | "
+             "greedy chain: first divergence | reasoning exact match (95% CI) |", "|---|---|---|---|---|---|---|---|"]
     for model in models:
         code, text, exact = (load(model, s) for s in ("accumulation", "accumulation-reasoning", "reasoning"))
         for method, row in exact.items():
             if "exact" not in row:
                 continue
             e, c, t = row["exact"], code.get(method, {}), text.get(method, {})
-            kl = [f"{x['kl_last']:.4f}" if "kl_last" in x else "–" for x in (c, t)]
-            lines.append(f"| {model.upper()} | {method} | {row['bytes_per_token_4k']:,.0f} | {kl[0]} | {kl[1]} | "
+            kl = [f"{x[k]:.4f}" if k in x else "–" for x, k in ((c, "kl_last"), (t, "kl_last"), (t, "kl_mean"))]
+            size = row.get("bytes_per_token_4k")
+            lines.append(f"| {model.upper()} | {method} | {'–' if size is None else f'{size:,.0f}'} | {kl[0]} | {kl[1]} | {kl[2]} | "
                          f"{t.get('first_divergence', '–')} | {e['correct']}/{row['n']} ({e['ci95'][0]:.0%}–"
                          f"{e['ci95'][1]:.0%}) |")
     return "\n".join(lines)

@@ -252,6 +252,7 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     assert set(summary["methods"]) == {"bf16", "k4v2", "hf-fp8"}
     assert summary["methods"]["k4v2"]["last-number"]["ci95"][1] <= 1
     assert summary["methods"]["bf16"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
+    assert summary["methods"]["hf-fp8"]["bytes_per_token_4k"] == summary["methods"]["bf16"]["bytes_per_token_4k"] / 2
     assert main(["eval", "--model", "nowhere/model", "--suite", "reasoning", "--out", str(tmp_path / "x.json")]) == 2
     assert "cannot load model 'nowhere/model' offline" in capsys.readouterr().err
 

@@ -74,12 +74,18 @@ class Method:
         return {}
 
     def bytes_per_token(self, model_config, tokens: int) -> float | None:
-        """Cache bytes per token at ``tokens`` (16-bit sink/tail), as `KVarNCache.nbytes` counts; None if unknown."""
+        """Cache bytes per token at ``tokens`` (16-bit sink/tail), as `KVarNCache.nbytes` counts; None if unknown.
+
+        transformers' fp8 layer holds one byte per element (and one scale per tensor); the quanto and HQQ layers
+        (group-wise codes, scales and zero points, a full-precision residual window) are not counted: None.
+        """
         if self.kind == "kvarn":
             return expected_nbytes(model_config, self.config, tokens) / tokens
+        unquantized = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
         if self.kind == "reference":
-            unquantized = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
             return expected_nbytes(model_config, unquantized, tokens) / tokens
+        if self.backend == "fp8":
+            return expected_nbytes(model_config, unquantized, tokens) / tokens / 2
         return None
 
 

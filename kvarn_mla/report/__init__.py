@@ -24,8 +24,6 @@ FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 def _bytes_per_token(model_config, method: str, tokens: int) -> float:
     from ..evaluation.methods import parse_method
 
-    if method == "hf-fp8":  # transformers' fp8 layer: one byte per element, one scale per tensor
-        return _bytes_per_token(model_config, "bf16", tokens) / 2
     return parse_method(method).bytes_per_token(model_config, tokens)
 
 
