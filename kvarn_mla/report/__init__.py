@@ -180,8 +180,8 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
         lines.append("No speed results found (run `kvarn-mla bench`).\n")
         return lines, {}
     speed_chart(rows, out / "decode_speed.png")
-    lines += [f"CPU, 2-layer models with DeepSeek-V2-Lite (MLA) and Llama-3-8B (GQA) attention, random bf16 weights, "
-              f"batch 1 (`results/{source}`).\n",
+    lines += [f"CPU, 2-layer models with DeepSeek-V2-Lite (MLA), Llama-3-8B (GQA) and Llama-2-7B (MHA) attention, "
+              f"random bf16 weights, batch 1 (`results/{source}`).\n",
               "| family | context | stock ms/step | k4v2 ms/step | speedup | attention speedup |",
               "|---|---|---|---|---|---|"]
     for r in rows:
@@ -214,7 +214,7 @@ def discussion(byte_numbers: dict, accuracy: dict, speed: dict) -> list[str]:
             continue
         drops = []
         for bits in (4, 3, 2):
-            for method in (f"kvarn-{bits}", f"kivi-{bits}"):
+            for method in (f"kvarn-{bits}", f"kivi-{bits}", f"rot-{bits}"):
                 acc = rea.get(method, {}).get("exact", {}).get("accuracy")
                 if acc is not None:
                     drops.append(f"{method} {100 * (acc - ref):+.1f}")
@@ -230,11 +230,14 @@ def discussion(byte_numbers: dict, accuracy: dict, speed: dict) -> list[str]:
     if speed.get("rows"):
         mla = [r for r in speed["rows"] if r["family"] == "mla"]
         gqa = [r for r in speed["rows"] if r["family"] == "gqa"]
+        mha = [r for r in speed["rows"] if r["family"] == "mha"]
         if mla and gqa:
             lines.append(f"- Speed on CPU (section 3): the absorbed MLA path never expands the latent, so its "
                          f"advantage grows with context: {mla[-1]['decode_speedup']:.1f}× per step at "
                          f"{mla[-1]['context']:,} tokens; dense GQA reads fewer bytes than 16-bit SDPA "
-                         f"({gqa[-1]['decode_speedup']:.2f}× at {gqa[-1]['context']:,}).")
+                         f"({gqa[-1]['decode_speedup']:.2f}× at {gqa[-1]['context']:,})"
+                         + (f"; with one kv head per query head (MHA) the unpacking outweighs the bytes saved "
+                            f"({mha[-1]['decode_speedup']:.2f}× at {mha[-1]['context']:,})." if mha else "."))
     return lines + [""]
 
 
