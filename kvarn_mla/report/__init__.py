@@ -72,11 +72,14 @@ ACCUMULATION_TEXTS = {  # results file suffix -> what the run read
 
 
 def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Path) -> list[str]:
-    """Table and 2-bit KL chart of one accumulation run."""
-    curves = {m: (row["kl_curve"], row.get("kl_curve_static")) for m, row in rows.items()
-              if "kl_curve" in row and re.match(r"((kvarn|kivi|rot)-2|hf-\w+-2)$", m)}
-    chart = f"{suite}_{model}.png"
-    curve_chart(curves, f"{family} reference model, {suite}: KL at 2 bits", out / chart)
+    """Table and per-bit-width KL charts of one accumulation run."""
+    charts = []
+    for bits in (2, 3, 4):
+        curves = {m: (row["kl_curve"], row.get("kl_curve_static")) for m, row in rows.items()
+                  if "kl_curve" in row and re.match(rf"((kvarn|kivi|rot)-{bits}|hf-\w+-{bits})(\+(?!rope_bits)|$)", m)}
+        if curves:
+            charts.append(f"{suite}_{model}_{bits}bit.png")
+            curve_chart(curves, f"{family} reference model, {suite}: KL at {bits} bits", out / charts[-1])
     lines = [f"### {family}: {suite} (`results/accuracy/{model}-{suite}.json`)\n",
              f"Text: {ACCUMULATION_TEXTS[suite]}.\n",
              "| method | bits | KL last chunk | KL last chunk, static | KL mean | top-1 mean | greedy: first divergence "
@@ -90,7 +93,7 @@ def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Pa
                      f"{'-' if static is None else f'{static:.4f}'} | {row['kl_mean']:.4f} | "
                      f"{row['top1_mean']:.3f} | {row.get('first_divergence', '-')} | "
                      f"{row.get('agreement', float('nan')):.3f} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
-    return lines + [f"\n![{suite} {family}]({chart})\n"]
+    return lines + [""] + [f"![{chart[:-4]}]({chart})\n" for chart in charts]
 
 
 def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], list[tuple[str, str, float, float]]]:

@@ -42,7 +42,7 @@ def curve_chart(curves: dict[str, tuple[list[float], list[float] | None]], title
             axis.plot(range(len(static)), static, color=color, linestyle="--", label=f"{method} static")
     axis.set_xlabel("chunk (128 tokens)")
     axis.set_ylabel("KL to 16-bit (nats)")
-    axis.set_yscale("log")
+    axis.set_yscale("log", nonpositive="mask")  # a KL of exactly 0 (identical distributions) is left out
     axis.set_title(title)
     axis.legend(fontsize=7)
     _save(figure, path)
