@@ -128,13 +128,10 @@ def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: i
         ``agreement`` (fraction of positions of the reference run where the method, fed the reference
         sequence, picks the same top-1 token), and the two generated lengths.
     """
-    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    mask = torch.ones_like(prompt)
     if reference is None:
         reference = reference_greedy(model, prompt, new_tokens)
     with method.applied(model):
-        generated = model.generate(prompt, attention_mask=mask, **settings, **method.generate_kwargs())
-    generated = generated[0, prompt.shape[1]:]
+        generated = _greedy(model, prompt, new_tokens, **method.generate_kwargs())
     same = (reference[: len(generated)] == generated[: len(reference)]).tolist()
     first = same.index(False) if False in same else min(len(reference), len(generated))
     # Teacher-forced agreement along the reference run, read through the method's cache chunk by chunk.
@@ -150,9 +147,14 @@ def greedy_divergence(model, prompt: torch.Tensor, method: Method, new_tokens: i
             "method_tokens": len(generated)}
 
 
+def _greedy(model, prompt: torch.Tensor, new_tokens: int, **cache_kwargs) -> torch.Tensor:
+    """``[new_tokens]`` greedy continuation of ``prompt [1, P]`` (exactly that many tokens, end of text or not)."""
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, **cache_kwargs)
+    return out[0, prompt.shape[1]:]
+
+
 @torch.no_grad()
 def reference_greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """``[new_tokens]`` greedy continuation of ``prompt [1, P]`` with the model's own 16-bit cache."""
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False)
-    return out[0, prompt.shape[1]:]
+    return _greedy(model, prompt, new_tokens)

@@ -6,7 +6,7 @@ For each bundled reference model (MHA, GQA, MLA) it runs
   decoding from its first 512 tokens;
 - ``accumulation-reasoning``: the same protocol on 1,024 tokens of held-out reasoning items back to back (the
   models' reasoning length; their code distributions are near unigram, so the code run says little), and greedy
-  decoding of a whole 48-row chain (914 tokens);
+  decoding of a whole 48-row chain (913 tokens);
 - ``reasoning``: the first ``items`` held-out long-chain problems, greedy, exact match;
 - ``worst-vectors``: the diagnostic on the reasoning text (896 cached tokens, 128 scored);
 

@@ -21,16 +21,11 @@ BYTES_METHODS = ["bf16", "hf-fp8", "kivi-k2v2", "k4v2", "k2v2", "k4v2-r8"]
 FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 
 
-def _bytes_per_token(model_config, method: str, tokens: int) -> float:
-    from ..evaluation.methods import parse_method
-
-    return parse_method(method).bytes_per_token(model_config, tokens)
-
-
 def bytes_section(out: Path) -> tuple[list[str], dict]:
     """Bytes per token and tokens per 64 GiB of cache, bundled configs × methods; table, chart, numbers."""
     from ..adapters import adapter_for
     from ..archs import ARCHITECTURES, load_config
+    from ..evaluation.methods import parse_method
 
     rows, numbers = [], {}
     header = "| model | family | " + " | ".join(BYTES_METHODS) + " |"
@@ -49,7 +44,7 @@ def bytes_section(out: Path) -> tuple[list[str], dict]:
             family = "MLA"
         cells, numbers[name] = [], {}
         for method in BYTES_METHODS:
-            per_token = _bytes_per_token(config, method, CAPACITY_CONTEXT)
+            per_token = parse_method(method).bytes_per_token(config, CAPACITY_CONTEXT)
             capacity = CAPACITY_BUDGET_GIB * 2**30 / per_token
             numbers[name][method] = per_token
             cells.append(f"{per_token:,.0f} ({capacity / 1e6:.2f}M)")
@@ -67,7 +62,7 @@ def _load(path: Path) -> dict | None:
 ACCUMULATION_TEXTS = {  # results file suffix -> what the run read
     "accumulation": "2,048 tokens of held-out code (greedy: 1,024 tokens from its first 512)",
     "accumulation-reasoning": "1,024 tokens of held-out reasoning items back to back (greedy: a whole 48-row chain, "
-                              "914 tokens)",
+                              "913 tokens)",
 }
 
 
@@ -76,7 +71,7 @@ def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Pa
     charts = []
     for bits in (2, 3, 4):
         curves = {m: (row["kl_curve"], row.get("kl_curve_static")) for m, row in rows.items()
-                  if "kl_curve" in row and re.match(rf"((kvarn|kivi|rot)-{bits}|hf-\w+-{bits})(\+(?!rope_bits)|$)", m)}
+                  if "kl_curve" in row and _bits_class(m) == f"{bits}-bit" and "rope_bits" not in m}
         if curves:
             charts.append(f"{suite}_{model}_{bits}bit.png")
             curve_chart(curves, f"{family} reference model, {suite}: KL at {bits} bits", out / charts[-1])
