@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--families", help="only methods whose name starts with one of these (e.g. hf-)")
     parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
     parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
     args = parser.parse_args(argv)
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
                     suites=args.suites.split(","), batch_size=args.batch_size,
-                    bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run)
+                    bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
+                    families=tuple(args.families.split(",")) if args.families else None)
     if results["_missing_baselines"]:
         print("baselines that could not run:", results["_missing_baselines"])
     print("report:", build_report(HERE / "results", HERE / "report"))

@@ -273,10 +273,14 @@ def test_demo_runs_end_to_end_on_a_short_setting(tmp_path, capsys):
 
 def test_sweep_method_lists_follow_the_bit_selection():
     from kvarn_mla.evaluation.methods import parse_methods
-    from kvarn_mla.evaluation.sweep import mla_grid, quantizers, transformers_baselines
+    from kvarn_mla.evaluation.sweep import mla_grid, quantizers, select, transformers_baselines
 
     assert quantizers((2, 4)) == ["kvarn-2", "kivi-2", "rot-2", "kvarn-4", "kivi-4", "rot-4"]
     grid = parse_methods(",".join(mla_grid((3,))))[1:]  # [0] is the bf16 reference
     assert [(m.config.latent_bits, m.config.rope_bits) for m in grid] == [(3, 4), (3, 8)]
     runnable, missing = transformers_baselines((3,))  # transformers' caches have no 3-bit setting here
     assert runnable == ["hf-fp8"] and set(missing) <= {"hf-quanto", "hf-hqq"}
+    names = quantizers((2,)) + mla_grid((2,)) + ["hf-fp8", "hf-quanto-2"]
+    assert select(names, ("hf-",)) == ["hf-fp8", "hf-quanto-2"]  # one process for transformers' caches ...
+    assert select(names, ("kvarn", "kivi", "rot")) == names[:5]  # ... one for ours
+    assert select(names, None) == names

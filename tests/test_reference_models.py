@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from kvarn_mla import reference_models
 from kvarn_mla.evaluation import reasoning as R
@@ -78,6 +79,32 @@ def test_packed_documents_do_not_see_each_other(name):
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_openings_rows_are_item_prefixes_and_start_at_openings_from():
+    # The openings phase packs the opening of each item (prompt + first rows) into every other row: each
+    # document must be exactly a prefix of its item's tokens, the token after an opening (the next document's
+    # first) no target, and steps before the phase keep whole items.
+    tr = _train_reference()
+    tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
+    recipe = tr.Recipe()
+    data = tr.Data(tok, recipe, max_files=10)
+    for step in (recipe.openings_from - 1, recipe.openings_from):
+        ids, kind, doc = data.batch(step)
+        for row in range(recipe.batch_rows):
+            opening = step >= recipe.openings_from and row % 2 == 1
+            first = (step * recipe.batch_rows + row) * 128
+            for j in range(int(doc[row].max()) + 1):
+                tokens = ids[row][doc[row] == j].tolist()
+                if tokens[0] == tok.pad_token_id:
+                    break  # the padding after the last item
+                item = R.make_item(first + j, "train", min_rows=1, max_rows=recipe.train_max_rows)
+                prompt, target = data.encode_item(item)
+                want = prompt + (target[: recipe.opening_tokens] if opening else target)
+                assert tokens == want, (step, row, j)
+                if j > 0:
+                    start = int((doc[row] == j).nonzero()[0])
+                    assert int(kind[row, start]) == (tr.NO_LOSS if opening else tr.PROMPT), (step, row, j)
+
+
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"
@@ -98,8 +125,9 @@ def test_training_script_smoke(tmp_path):
         ]
     )
     smoke = train_reference.SMOKE
-    assert metrics["steps_done"] == smoke.steps == 5 and results.exists()  # task, task, mixed, polish, anneal
-    assert [h["lr"] for h in metrics["history"][3:]] == [smoke.polish_lr, smoke.anneal_lr]  # each phase's peak
+    # task, task, mixed, polish, anneal, openings
+    assert metrics["steps_done"] == smoke.steps == 6 and results.exists()
+    assert [h["lr"] for h in metrics["history"][3:]] == [smoke.polish_lr, smoke.anneal_lr, smoke.openings_lr]
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     assert metrics["held_out_code"]["tokens_scored"] > 0 and metrics["held_out_reasoning"]["n"] == 2
     # Resuming from the saved state at the last step trains nothing more and gives the same weights.

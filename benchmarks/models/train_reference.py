@@ -92,9 +92,15 @@ class Recipe:
     anneal_from: int = 1000  # then polish: reasoning-only rows of task_long_context tokens at a low lr up to
     #   here (after the mixed phase the models had 0.999 teacher-forced cell accuracy but 46% exact match) ...
     polish_lr: float = 5e-4
-    steps: int = 1400  # ... and a second, lower cosine from anneal_lr to the end (same rows): after the polish
-    #   the teacher-forced cell accuracy was 0.9999, yet MHA solved only 77% of the long items
+    openings_from: int = 1400  # ... and a second, lower cosine from anneal_lr up to here (same rows): after the
+    #   polish the teacher-forced cell accuracy was 0.9999, yet MHA solved only 77% of the long items
     anneal_lr: float = 2e-4
+    steps: int = 1600  # then "openings" to the end: every other row packs item openings (prompt and the first
+    #   opening_tokens target tokens of a training item) at openings_lr. After the anneal every held-out failure
+    #   was the first generated row's counter (GQA never borrowed there: 39 for 29; later rows 0 errors in 6,351),
+    #   and a packed row of whole items holds one or two first rows, a row of openings eighteen
+    openings_lr: float = 2e-4
+    opening_tokens: int = 2 * reasoning.ROW_TOKENS
     lr: float = 2e-3  # task phase; the mixed phase decays from mixed_lr by a cosine to min_lr_ratio * mixed_lr
     mixed_lr: float = 1e-3
     warmup: int = 50
@@ -126,7 +132,8 @@ SMOKE = Recipe(
     task_max_rows=2,
     task_long_context=128,
     anneal_from=4,
-    steps=5,
+    openings_from=5,
+    steps=6,
     warmup=1,
     compile=False,
 )
@@ -248,8 +255,9 @@ AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
 class Data:
     """Deterministic batches: ``batch(step)`` is a pure function of the step, so resuming is exact.
 
-    Task and polish phases: reasoning rows only (``task_context`` tokens for the first ``task_short_steps``,
-    ``task_long_context`` after), padded without loss. Mixed phase: a reasoning row packs whole training items
+    Task, polish and anneal phases: reasoning rows only (``task_context`` tokens for the first
+    ``task_short_steps``, ``task_long_context`` after), padded without loss; the openings phase packs item
+    openings instead of whole items into every other row. Mixed phase: a reasoning row packs whole training items
     from the start and is topped up with a code window; a code row (every ``code_every``-th) is one window of
     the packed train split (files joined by ``<|endoftext|>``).
     """
@@ -275,7 +283,7 @@ class Data:
         return prompt, target
 
     def _reasoning_row(
-        self, step: int, row: int, context: int, max_rows: int, top_up: bool
+        self, step: int, row: int, context: int, max_rows: int, top_up: bool, opening: bool = False
     ) -> tuple[list[int], list[int], list[int]]:
         n = context + 1
         ids: list[int] = []
@@ -285,13 +293,20 @@ class Data:
         for j in range(128):
             item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=max_rows)
             p, t = self.encode_item(item)
+            if opening:
+                t = t[: self.r.opening_tokens]  # a prefix of the item's text: every token is still right
             if len(ids) + len(p) + len(t) > n:
                 if not top_up:
                     break  # task phase: the rest of the row is padding without loss
                 continue  # try the next (maybe shorter) item; the rest of the row is topped up with code
+            p_kind = [PROMPT if self.r.prompt_loss else NO_LOSS] * len(p)
+            if opening and kind:
+                # The previous opening stops mid-item, so this document's first token is no target (kind[i] is
+                # the loss of predicting ids[i]): a first try that kept it taught the models to stop after two rows.
+                p_kind = [NO_LOSS] + p_kind[1:]
             doc += [doc[-1] + 1 if doc else 0] * (len(p) + len(t))
             ids += p + t
-            kind += [PROMPT if self.r.prompt_loss else NO_LOSS] * len(p) + [REASONING] * len(t)
+            kind += p_kind + [REASONING] * len(t)
         fill = n - len(ids)
         if fill > 0:
             if top_up:
@@ -311,9 +326,10 @@ class Data:
         short = step < self.r.task_short_steps
         context = self.r.task_context if short else self.r.task_long_context
         max_rows = self.r.task_max_rows if short else self.r.train_max_rows
+        openings = step >= self.r.openings_from
         for row in range(self.r.batch_rows):
             if not mixed:
-                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False)
+                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False, openings and row % 2 == 1)
             elif (step * self.r.batch_rows + row) % self.r.code_every != self.r.code_every - 1:
                 ids, kind, doc = self._reasoning_row(step, row, self.r.context, self.r.train_max_rows, True)
             else:
@@ -471,7 +487,7 @@ def eval_code(model: PreTrainedModel, data: Data, max_tokens: int | None) -> dic
 
 # --------------------------------------------------------------------------------------------- train
 def lr_at(step: int, r: Recipe) -> float:
-    """Task phase: linear warmup to ``lr``, then constant. Mixed, polish and anneal phases: each a cosine from its
+    """Task phase: linear warmup to ``lr``, then constant. Mixed, polish, anneal and openings phases: each a cosine from its
     peak (``mixed_lr``, ``polish_lr``, ``anneal_lr``) to ``min_lr_ratio`` times it at the phase's last step."""
     if step < r.task_steps:
         return r.lr * min(1.0, (step + 1) / r.warmup)
@@ -480,8 +496,10 @@ def lr_at(step: int, r: Recipe) -> float:
         peak, start, end = r.mixed_lr, r.task_steps, mixed_end
     elif step < r.anneal_from:
         peak, start, end = r.polish_lr, mixed_end, r.anneal_from
+    elif step < r.openings_from:
+        peak, start, end = r.anneal_lr, r.anneal_from, r.openings_from
     else:
-        peak, start, end = r.anneal_lr, r.anneal_from, r.steps
+        peak, start, end = r.openings_lr, r.openings_from, r.steps
     t = (step - start) / max(1, end - start)
     return peak * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
@@ -560,11 +578,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     seen = {"input_tokens": 0, "loss_tokens": 0, "reasoning_loss_tokens": 0}
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        # A state written by the recipe before the anneal phase existed (it ended at anneal_from) continues into
-        # that phase: every step it took is the same under this recipe.
-        before_anneal = {**asdict(r), "steps": r.anneal_from}
-        del before_anneal["anneal_from"], before_anneal["anneal_lr"]
-        if st["recipe"] != asdict(r) and not (st["recipe"] == before_anneal and st["step"] <= r.anneal_from):
+        # A state written by the recipe before the openings phase existed (it ended at openings_from) continues
+        # into that phase: every step it took is the same under this recipe.
+        before = {**asdict(r), "steps": r.openings_from}
+        del before["openings_from"], before["openings_lr"], before["opening_tokens"]
+        if st["recipe"] != asdict(r) and not (st["recipe"] == before and st["step"] <= r.openings_from):
             raise ValueError(f"{state_path} was written by a different recipe: {st['recipe']}")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])

@@ -56,13 +56,20 @@ def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
     return runnable, missing
 
 
+def select(names: list[str], families: tuple[str, ...] | None) -> list[str]:
+    """The method names that start with one of ``families`` (all of them for ``None``)."""
+    return list(names) if families is None else [n for n in names if n.startswith(tuple(families))]
+
+
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
-          bits=BITS, compute: bool = True) -> dict:
+          bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
     ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
-    3 bits to the same files and redoes nothing). ``compute=False`` only rewrites the summaries from the records
-    there (the tables of a run that was stopped).
+    3 bits to the same files and redoes nothing). ``families`` restricts the methods to those whose name starts
+    with one of them (``("hf-",)``: transformers' caches only), so two processes can share a model's sweep; the
+    16-bit reference always runs. ``compute=False`` only rewrites the summaries from the records there (the
+    tables of a run that was stopped).
     """
     out.mkdir(parents=True, exist_ok=True)
     baselines, missing = transformers_baselines(bits)
@@ -70,8 +77,9 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
     for name in models:
         model, tokenizer = load_model(name, torch.float32)
         grid = mla_grid(bits) if name == "mla" else []
-        compared = parse_methods(",".join(quantizers(bits) + grid + baselines))
-        worst = parse_methods(",".join(f"{family}-{b}" for b in bits for family in ("kvarn", "kivi", "rot")))
+        names = select(quantizers(bits) + grid + baselines, families)
+        compared = parse_methods(",".join(names))
+        worst = parse_methods(",".join(select(quantizers(bits), families)))
         text = reasoning_text(tokenizer, REASONING_TOKENS)
         chain, chain_tokens = reasoning_chain_prompt(tokenizer)
         arguments = {
