@@ -98,7 +98,7 @@ class Recipe:
     steps: int = 1600  # then "openings" to the end: every other row packs item openings (prompt and the first
     #   opening_tokens target tokens of a training item) at openings_lr. After the anneal every held-out failure
     #   was the first generated row's counter (GQA never borrowed there: 39 for 29; later rows 0 errors in 6,351),
-    #   and a packed row of whole items holds one or two first rows, a row of openings eighteen
+    #   and a packed row of whole items holds one to three first rows, a row of openings eighteen
     openings_lr: float = 2e-4
     opening_tokens: int = 2 * reasoning.ROW_TOKENS
     lr: float = 2e-3  # task phase; the mixed phase decays from mixed_lr by a cosine to min_lr_ratio * mixed_lr
@@ -487,8 +487,9 @@ def eval_code(model: PreTrainedModel, data: Data, max_tokens: int | None) -> dic
 
 # --------------------------------------------------------------------------------------------- train
 def lr_at(step: int, r: Recipe) -> float:
-    """Task phase: linear warmup to ``lr``, then constant. Mixed, polish, anneal and openings phases: each a cosine from its
-    peak (``mixed_lr``, ``polish_lr``, ``anneal_lr``) to ``min_lr_ratio`` times it at the phase's last step."""
+    """Task phase: linear warmup to ``lr``, then constant. Mixed, polish, anneal and openings phases: each a cosine
+    from its peak (``mixed_lr``, ``polish_lr``, ``anneal_lr``, ``openings_lr``) to ``min_lr_ratio`` times it at the
+    phase's last step."""
     if step < r.task_steps:
         return r.lr * min(1.0, (step + 1) / r.warmup)
     mixed_end = r.task_steps + r.mixed_steps
