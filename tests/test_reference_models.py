@@ -164,3 +164,16 @@ def test_accumulation_texts_of_the_reasoning_task():
     item = R.make_item(0, min_rows=48, max_rows=48)
     assert tok.decode(prompt[0]) == item.prompt
     assert target_tokens == 48 * R.ROW_TOKENS + 1  # digits and the row break are single tokens; answer mark + digit
+
+
+def test_error_probe_places_every_target_token():
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        from probe_errors import place
+    finally:
+        sys.path.pop(0)
+    row = R.ROW_TOKENS
+    assert [place(i, 2) for i in (0, 1, 2, row - 2, row - 1)] == [
+        "first row counter", "first row counter", "first row cell", "first row cell", "first row break"]
+    assert place(row, 2) == "later row counter" and place(2 * row - 1, 2) == "later row break"  # <|answer|>
+    assert place(2 * row, 2) == place(2 * row + 1, 2) == "answer / end of text"

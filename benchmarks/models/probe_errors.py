@@ -1,0 +1,73 @@
+"""Where a reference model's teacher-forced predictions go wrong on held-out reasoning items.
+
+Counts wrong argmax tokens by place in the scratchpad: the first generated row or a later one, and within a
+row the two-digit rows-to-go counter, the 16 cells or the row break; then the answer and end of text. This is
+the probe behind the openings phase in README.md (step 1400: the first row's counter held every error).
+
+    python benchmarks/models/probe_errors.py gqa                        # the bundled checkpoint
+    python benchmarks/models/probe_errors.py gqa --state runs/gqa/state.pt --items 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a plain script from a checkout
+    sys.path.insert(0, str(REPO))
+
+from kvarn_mla import reference_models  # noqa: E402
+from kvarn_mla.evaluation import reasoning  # noqa: E402
+
+
+def place(index: int, num_rows: int) -> str:
+    """Where target token ``index`` of an item with ``num_rows`` generated rows sits, e.g. ``"first row counter"``."""
+    row, column = divmod(index, reasoning.ROW_TOKENS)
+    if row >= num_rows:
+        return "answer / end of text"  # after <|answer|>, which fills the last row's break slot
+    part = "counter" if column < reasoning.COUNTER else "cell" if column < reasoning.COUNTER + reasoning.WIDTH else "break"
+    return f"{'first' if row == 0 else 'later'} row {part}"
+
+
+@torch.no_grad()
+def probe(model, tokenizer, items: int) -> tuple[Counter, Counter]:
+    """Wrong and total target tokens per :func:`place` over the first ``items`` held-out items."""
+    wrong, total = Counter(), Counter()
+    for item in reasoning.held_out_items(items):
+        prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
+        target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        logits = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
+        for index, ok in enumerate((logits.argmax(-1) == torch.tensor(target)).tolist()):
+            key = place(index, item.num_rows)
+            total[key] += 1
+            wrong[key] += not ok
+    return wrong, total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("name", choices=("mla", "gqa", "mha"))
+    parser.add_argument("--state", type=Path, help="a training state (runs/<name>/state.pt) instead of the checkpoint")
+    parser.add_argument("--items", type=int, default=100)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    checkpoint = reference_models.path(args.name)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    if args.state is not None:  # same architecture, the weights of that step (float32, as trained)
+        model.load_state_dict(torch.load(args.state, weights_only=False)["model"])
+    model.eval()
+    wrong, total = probe(model, tokenizer, args.items)
+    print(f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out items")
+    for key in sorted(total):
+        print(f"  {key:<22} {wrong[key]:>5} / {total[key]:,}")
+
+
+if __name__ == "__main__":
+    main()
