@@ -39,7 +39,8 @@ def summary_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
             e, c, t = row["exact"], code.get(method, {}), text.get(method, {})
             kl = [f"{x[k]:.4f}" if k in x else "–" for x, k in ((c, "kl_last"), (t, "kl_last"), (t, "kl_mean"))]
             size = row.get("bytes_per_token_4k")
-            lines.append(f"| {model.upper()} | {method} | {'–' if size is None else f'{size:,.0f}'} | {kl[0]} | {kl[1]} | {kl[2]} | "
+            size = "–" if size is None else f"{size:,.0f}"
+            lines.append(f"| {model.upper()} | {method} | {size} | {kl[0]} | {kl[1]} | {kl[2]} | "
                          f"{t.get('first_divergence', '–')} | {e['correct']}/{row['n']} ({e['ci95'][0]:.0%}–"
                          f"{e['ci95'][1]:.0%}) |")
     return "\n".join(lines)

@@ -42,8 +42,8 @@ def results(tmp_path_factory):
 def test_report_builds_every_chart(results, tmp_path):
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--results", str(results)]) == 0
-    for name in ("report.md", "report.html", "bytes_per_token.png", "accumulation_gqa_2bit.png", "accumulation_mla_2bit.png",
-                 "accumulation-reasoning_gqa_2bit.png", "pareto.png", "decode_speed.png"):
+    for name in ("report.md", "report.html", "bytes_per_token.png", "accumulation_gqa_2bit.png",
+                 "accumulation_mla_2bit.png", "accumulation-reasoning_gqa_2bit.png", "pareto.png", "decode_speed.png"):
         assert (out / name).stat().st_size > 0, name
     text = (out / "report.md").read_text()
     for heading in ("## 1. Bytes per token", "## 2. Accuracy", "## 3. Decode speed", "## 4. Discussion"):

@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
+from train_reference import target_hits  # noqa: E402  (this folder is on the path: the script's own)
+
 from kvarn_mla import reference_models  # noqa: E402
 from kvarn_mla.evaluation import reasoning  # noqa: E402
 
@@ -31,7 +33,8 @@ def place(index: int, num_rows: int) -> str:
     row, column = divmod(index, reasoning.ROW_TOKENS)
     if row >= num_rows:
         return "answer / end of text"  # after <|answer|>, which fills the last row's break slot
-    part = "counter" if column < reasoning.COUNTER else "cell" if column < reasoning.COUNTER + reasoning.WIDTH else "break"
+    cells_end = reasoning.COUNTER + reasoning.WIDTH
+    part = "counter" if column < reasoning.COUNTER else "cell" if column < cells_end else "break"
     return f"{'first' if row == 0 else 'later'} row {part}"
 
 
@@ -42,8 +45,7 @@ def probe(model, tokenizer, items: int) -> tuple[Counter, Counter]:
     for item in reasoning.held_out_items(items):
         prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
         target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        logits = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
-        for index, ok in enumerate((logits.argmax(-1) == torch.tensor(target)).tolist()):
+        for index, ok in enumerate(target_hits(model, prompt, target)):
             key = place(index, item.num_rows)
             total[key] += 1
             wrong[key] += not ok

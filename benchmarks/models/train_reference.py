@@ -426,6 +426,13 @@ def eval_reasoning(
 
 
 @torch.no_grad()
+def target_hits(model: PreTrainedModel, prompt: list[int], target: list[int]) -> list[bool]:
+    """For each target token: is it the argmax given the prompt and the reference target before it."""
+    logits = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
+    return (logits.argmax(-1) == torch.tensor(target)).tolist()
+
+
+@torch.no_grad()
 def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Item]) -> dict[str, float]:
     """Cheap progress signal: argmax accuracy on the target tokens given the reference prefix.
 
@@ -438,9 +445,7 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
     all_right = 0
     row = reasoning.ROW_TOKENS  # counter, cells, row break
     for it in items:
-        p, t = data.encode_item(it)
-        logits = model(input_ids=torch.tensor([p + t])).logits[0, len(p) - 1 : -1]
-        ok = (logits.argmax(-1) == torch.tensor(t)).tolist()
+        ok = target_hits(model, *data.encode_item(it))
         all_right += all(ok)
         for j, o in enumerate(ok[: row * it.num_rows - 1]):
             if reasoning.COUNTER <= j % row < reasoning.COUNTER + reasoning.WIDTH:
