@@ -16,30 +16,37 @@ import torch.nn.functional as F
 import triton.testing
 from baselines import mla_decode_bf16
 
+from kvarn_mla.config import TileScheme
 from kvarn_mla.kernels.decode import tiled_attention
-from kvarn_mla.quant.rtn import packed_width
-from kvarn_mla.quant.store import DenseStream, StreamSpec, TiledStream
+from kvarn_mla.quant import QuantizedTile, StreamView, packed_width
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, the nominal HBM3e bandwidth
 
 
-def random_tiled(
-    spec: StreamSpec, batch: int, tokens: int, tile: int = 128, sink: int = 128, device: str = "cuda"
-) -> TiledStream:
-    """A k4v2-style store of ``tokens`` tokens with random codes and scales, built without quantizing."""
-    stream = TiledStream(spec, tile, sink, 8, True)
-    heads, dim = spec.num_heads, spec.dim
-    tiles = (tokens - sink) // tile
-    tail = tokens - sink - tiles * tile
-    stream.dtype = torch.bfloat16
-    stream.sink = torch.randn(batch, heads, sink, dim, device=device, dtype=torch.bfloat16)
-    stream.tail = torch.randn(batch, heads, tail, dim, device=device, dtype=torch.bfloat16)
-    rows, cols = (dim, tile) if spec.axis == "channel" else (tile, dim)
-    stream._codes.append(torch.randint(0, 256, (batch, heads, tiles, tile, packed_width(dim, spec.bits)),
-                                       device=device, dtype=torch.uint8))
-    for store, width in ((stream._scale, rows), (stream._zero, rows), (stream._gamma, cols)):
-        store.append((torch.rand(batch, heads, tiles, width, device=device) * 0.1 + 0.01).half())
-    return stream
+def random_view(
+    scheme: TileScheme, heads: int, dim: int, batch: int, tokens: int, device: str = "cuda"
+) -> StreamView:
+    """A store of ``tokens`` bf16 tokens with random codes and scales, built without quantizing (timing does not
+    depend on the values); a 16-bit scheme keeps every token in the tail."""
+    def randn(n: int) -> torch.Tensor:
+        return torch.randn(batch, heads, n, dim, device=device, dtype=torch.bfloat16)
+
+    if not scheme.quantized:
+        return StreamView(scheme, dim, torch.bfloat16, None, None, randn(tokens))
+    sink, size = scheme.sink_tokens, scheme.tile_size
+    count = (tokens - sink) // size
+    rows, cols = scheme.rows_cols(dim)
+    codes = torch.randint(0, 256, (batch, heads, count, size, packed_width(dim, scheme.bits)), device=device,
+                          dtype=torch.uint8)
+    scale, zero, gamma = ((torch.rand(batch, heads, count, width, device=device) * 0.1 + 0.01).half()
+                          for width in (rows, rows, cols))
+    return StreamView(scheme, dim, torch.bfloat16, randn(sink), QuantizedTile(codes, scale, zero, gamma),
+                      randn(tokens - sink - count * size))
+
+
+def nbytes(view: StreamView) -> int:
+    parts = [view.sink, view.tail, *(view.tiles.parts() if view.tiles is not None else ())]
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def bench(fn) -> float:
@@ -57,11 +64,11 @@ def run_gpu(contexts: list[int], out: Path) -> int:
     for batch in (1, 32):
         for tokens in contexts:
             # ---- GQA, Llama-3-8B attention ----
-            keys = random_tiled(StreamSpec("key", 8, 128, 4, "channel"), batch, tokens)
-            values = random_tiled(StreamSpec("value", 8, 128, 2, "token"), batch, tokens)
+            keys = random_view(TileScheme(4, "channel"), 8, 128, batch, tokens)
+            values = random_view(TileScheme(2, "token"), 8, 128, batch, tokens)
             q = torch.randn(batch, 8, 4, 128, device="cuda")
             ours = bench(lambda: tiled_attention(q, [keys], values, 128**-0.5))
-            ours_bytes = keys.nbytes() + values.nbytes()
+            ours_bytes = nbytes(keys) + nbytes(values)
             k = torch.randn(batch, 8, tokens, 128, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             q16 = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -75,12 +82,11 @@ def run_gpu(contexts: list[int], out: Path) -> int:
             rows.append(row)
             del keys, values, k, v
             # ---- MLA, DeepSeek-V3 attention (128 heads, 512 + 64) ----
-            latent = random_tiled(StreamSpec("latent", 1, 512, 4, "channel"), batch, tokens)
-            rope = DenseStream(StreamSpec("rope", 1, 64, 16, "channel"))
-            rope.append(torch.randn(batch, 1, tokens, 64, device="cuda", dtype=torch.bfloat16))
+            latent = random_view(TileScheme(4, "channel"), 1, 512, batch, tokens)
+            rope = random_view(TileScheme(16, "channel"), 1, 64, batch, tokens)
             q = torch.randn(batch, 1, 128, 576, device="cuda")
             ours = bench(lambda: tiled_attention(q, [latent, rope], None, 192**-0.5))
-            ours_bytes = latent.nbytes() + rope.nbytes()
+            ours_bytes = nbytes(latent) + nbytes(rope)
             kv = torch.randn(batch, tokens, 576, device="cuda", dtype=torch.bfloat16)
             q16 = torch.randn(batch, 128, 576, device="cuda", dtype=torch.bfloat16)
             splits = max(1, min(64, 264 // batch))

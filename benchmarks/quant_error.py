@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvarn_mla.config import TileScheme
 from kvarn_mla.quant import dequantize_tile, quantize_tile
 
 METHODS = {
@@ -40,8 +41,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for bits in (2, 3, 4, 8):
         for name, kwargs in METHODS.items():
-            tile = quantize_tile(keys, bits, "channel", **kwargs).to_metadata_dtype()
-            restored = dequantize_tile(tile, bits, "channel", 128, hadamard=kwargs["hadamard"])
+            scheme = TileScheme(bits, "channel", **kwargs)
+            restored = dequantize_tile(quantize_tile(keys, scheme).to_metadata_dtype(), scheme, 128)
             per_token = (restored - keys).norm(dim=-1) / keys.norm(dim=-1)
             attended = torch.softmax(queries @ restored.transpose(-1, -2) * scale, -1) @ values
             print(f"| {bits} | {name} | {per_token.max():.4f} | {per_token.median():.4f} | "

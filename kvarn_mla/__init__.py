@@ -14,10 +14,11 @@ from .cache import KVarNCache, KVarNIndexedLayer, KVarNLayer
 from .config import DEFAULT_PRESET, PRESETS, KVarNConfig, resolve_config
 from .patch import is_patched, patch, patched, unpatch
 from .quant.fake import fake_quantize
+from .quant.scheme import TileScheme
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_PRESET", "KVarNCache", "KVarNConfig", "KVarNIndexedLayer", "KVarNLayer", "PRESETS", "fake_quantize",
-    "is_patched", "patch", "patched", "resolve_config", "supported_model_types", "unpatch", "__version__",
+    "TileScheme", "is_patched", "patch", "patched", "resolve_config", "supported_model_types", "unpatch", "__version__",
 ]

@@ -1,9 +1,10 @@
 """`KVarNCache` and `KVarNLayer`: KVarN-quantized storage on transformers' Cache API.
 
 A layer holds two streams (dense: K and V; MLA: latent and RoPE key). ``update`` appends the new tokens in full
-precision and returns them unchanged; the patched attention function reads the layer's store directly and then calls
-``flush``, which quantizes every tile that filled. So a forward pass attends the tokens cached *before* it in their
-stored (quantized) form and its own tokens exactly, and a tile is quantized once, when it is full.
+precision and returns them unchanged; the patched attention function reads the layer's store directly, and after the
+decoder's forward pass the hook `kvarn_mla.patch` installs calls `KVarNCache.flush`, which quantizes every tile that
+filled. So a forward pass attends the tokens cached *before* it in their stored (quantized) form and its own tokens
+exactly, and a tile is quantized once, when it is full.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from .adapters import adapter_for
+from .adapters import layer_specs
+from .adapters.base import find_binding
+from .backends import Backend, resolve_backend
 from .config import KVarNConfig, resolve_config
-from .kernels.common import quantizer, select_backend
-from .quant.store import DenseStream, StreamSpec, TiledStream, flush_streams, make_stream
+from .quant.scheme import TileScheme
+from .store import Stream, StreamSpec, flush_streams
 
 DENSE_BYTES_PER_ELEMENT = 2  # what `dense_nbytes` counts: a 16-bit cache
 
@@ -28,16 +31,16 @@ class KVarNLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig):
+    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig, backend: Backend | None = None):
         super().__init__()
         self.specs = specs
         self.config = config
+        self.backend = backend  # resolved for the data's device at the first flush when None
         self.new_tokens = 0  # tokens appended by the latest `update`: the current forward's own tokens
         self._make_streams()
 
     def _make_streams(self) -> None:
-        c = self.config
-        self.streams = tuple(make_stream(s, c.tile_size, c.sink_tokens, c.varnorm_iters, c.hadamard) for s in self.specs)
+        self.streams = tuple(Stream(spec) for spec in self.specs)
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s.name}={s.num_heads}x{s.dim}@{s.bits}b" for s in self.specs)
@@ -90,11 +93,7 @@ class KVarNLayer(CacheLayerMixin):
 
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
         """Quantize every tile that is full. ``token_valid [B, T]`` marks padding to leave out of the statistics."""
-        tiled = [s for s in self.streams if isinstance(s, TiledStream) and s.pending_tiles()]
-        if tiled:
-            quantize = quantizer(select_backend(self.config.backend, tiled[0].tail.device))
-            for stream in tiled:
-                flush_streams([stream], token_valid, quantize)
+        flush_layers([self], token_valid)
 
     @property
     def length(self) -> int:
@@ -167,19 +166,22 @@ class KVarNLayer(CacheLayerMixin):
     def dense_nbytes(self) -> int:
         """Bytes a 16-bit cache would hold for the same tokens."""
         batch = self.streams[0].batch_size or 0
-        return sum(batch * s.num_heads * s.dim * self.length * DENSE_BYTES_PER_ELEMENT for s in self.specs)
+        return sum(batch * s.spec.num_heads * s.spec.dim * s.length * DENSE_BYTES_PER_ELEMENT for s in self.streams)
 
 
 class KVarNIndexedLayer(KVarNLayer):
-    """A KVarN layer for DSA models: also keeps the indexer keys ``[B, T, index_head_dim]`` in full precision."""
+    """A KVarN layer for DSA models: a third stream keeps the indexer keys ``[B, T, index_head_dim]`` in full
+    precision (cropped, reordered and counted with the other two)."""
 
-    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig, index_head_dim: int):
-        self.indexer_spec = StreamSpec("indexer", 1, index_head_dim, 16, "channel")
-        super().__init__(specs, config)
+    def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig, index_head_dim: int,
+                 backend: Backend | None = None):
+        self.indexer_spec = StreamSpec("indexer", 1, index_head_dim, TileScheme(16, "channel"))
+        super().__init__(specs, config, backend)
 
     def _make_streams(self) -> None:
         super()._make_streams()
-        self.indexer = DenseStream(self.indexer_spec)
+        self.indexer = Stream(self.indexer_spec)
+        self.streams += (self.indexer,)
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """Append ``[B, S, index_head_dim]`` indexer keys; return all of them, ``[B, T, index_head_dim]``."""
@@ -191,27 +193,27 @@ class KVarNIndexedLayer(KVarNLayer):
         self.indexer.append(indexer_key_states.unsqueeze(1))
         return self.indexer.full().squeeze(1)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self.indexer.crop(self.length)
-
-    def _map_batch(self, fn) -> None:
-        super()._map_batch(fn)
-        self.indexer.map_batch(fn)
-
-    def nbytes(self) -> int:
-        return super().nbytes() + self.indexer.nbytes()
-
-    def allocated_nbytes(self) -> int:
-        return super().allocated_nbytes() + self.indexer.allocated_nbytes()
-
-    def dense_nbytes(self) -> int:
-        full = self.indexer.full()
-        return super().dense_nbytes() + (0 if full is None else full.numel() * DENSE_BYTES_PER_ELEMENT)
-
 
 def _describe(x) -> str:
     return f"shape={tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def flush_layers(layers, token_valid: torch.Tensor | None = None) -> None:
+    """Quantize every full tile of a cache's layers: one store call per stream slot, for all layers at once.
+
+    The layers share one config and one backend; a cache built without a backend (from a model config) resolves
+    it here, once, for the device of the data.
+    """
+    layers = [layer for layer in layers if getattr(layer, "is_kvarn", False)]
+    for slot in range(2):
+        streams = [layer.streams[slot] for layer in layers if layer.streams[slot].pending_tiles()]
+        if not streams:
+            continue
+        if layers[0].backend is None:
+            backend = resolve_backend(layers[0].config.backend, streams[0].view().tail.device)
+            for layer in layers:
+                layer.backend = backend
+        flush_streams(streams, layers[0].backend.store, token_valid)
 
 
 QUANTIZED_LAYER_TYPES = ("full_attention", "indexed_attention")
@@ -235,30 +237,33 @@ class KVarNCache(Cache):
     """
 
     def __init__(self, model: PreTrainedModel | PretrainedConfig, config: KVarNConfig | str | None = None):
+        backend = None
         if isinstance(model, PreTrainedModel):
-            state = getattr(model, "_kvarn_state", None)
-            if state is None:
+            binding = find_binding(model)
+            if binding is None:
                 raise ValueError(
                     "KVarNCache(model) needs a model patched with kvarn_mla.patch(model, ...): an unpatched model's "
                     "attention would not read the quantized store"
                 )
-            config = state.config if config is None else config
+            config = binding.config if config is None else config
+            backend = binding.backend
             model_config = model.config
         elif isinstance(model, PretrainedConfig):
             model_config = model
         else:
             raise TypeError(f"KVarNCache takes a patched PreTrainedModel or a PretrainedConfig, got {type(model).__name__}")
         self.config = resolve_config(config)
-        adapter = adapter_for(model_config)
+        if backend is not None and backend.name != self.config.backend and self.config.backend != "auto":
+            backend = None  # a config of another backend than the patch's: resolved at the first flush
         text_config = model_config.get_text_config(decoder=True)
-        specs = adapter.stream_specs(text_config, self.config)
+        specs = layer_specs(model_config, self.config)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = []
         for layer_type, kwargs in zip(layer_types, layer_kwargs):
             if layer_type == "full_attention":
-                layers.append(KVarNLayer(specs, self.config))
+                layers.append(KVarNLayer(specs, self.config, backend))
             elif layer_type == "indexed_attention":
-                layers.append(KVarNIndexedLayer(specs, self.config, text_config.index_head_dim))
+                layers.append(KVarNIndexedLayer(specs, self.config, text_config.index_head_dim, backend))
             elif layer_type in UNQUANTIZED_LAYER_TYPES:
                 layers.append(DynamicSlidingWindowLayer(**kwargs))
             else:
@@ -269,24 +274,14 @@ class KVarNCache(Cache):
         super().__init__(layers=layers)
 
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
-        """Quantize every full tile of every layer: one quantizer call (one store-kernel launch) per stream slot.
+        """Quantize every full tile of every layer: one store call (one kernel launch) per stream slot.
 
         `kvarn_mla.patch` calls this after each forward pass of the decoder.
 
         Args:
             token_valid: Optional ``[B, T]`` bool, False at padding positions (left out of the tile statistics).
         """
-        slots: dict[int, list[TiledStream]] = {}
-        for layer in self.layers:
-            for slot, stream in enumerate(getattr(layer, "streams", ())):
-                if isinstance(stream, TiledStream) and stream.pending_tiles():
-                    slots.setdefault(slot, []).append(stream)
-        if not slots:
-            return
-        device = next(iter(slots.values()))[0].tail.device
-        quantize = quantizer(select_backend(self.config.backend, device))
-        for streams in slots.values():
-            flush_streams(streams, token_valid, quantize)
+        flush_layers(self.layers, token_valid)
 
     def nbytes(self) -> int:
         """Bytes the cache holds: quantized codes and scales, full-precision sink and tail, unquantized layers."""
@@ -316,45 +311,3 @@ def _layer_nbytes(layer) -> int:
     if not layer.is_initialized:
         return 0
     return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-
-
-def expected_nbytes(
-    model_config: PretrainedConfig,
-    config: KVarNConfig | str | None,
-    tokens: int,
-    batch: int = 1,
-    element_size: int = 2,
-) -> int:
-    """Bytes a `KVarNCache` holds after ``tokens`` tokens, computed from the layout (what `KVarNCache.nbytes`
-    reports once every full tile is flushed), without building tensors.
-
-    Args:
-        model_config: A config of a supported model type.
-        config: Preset name or `KVarNConfig`.
-        tokens: Context length T.
-        batch: Sequences in the batch.
-        element_size: Bytes per element of the model dtype (sink, tail, unquantized streams).
-    """
-    config = resolve_config(config)
-    text_config = model_config.get_text_config(decoder=True)
-    specs = adapter_for(model_config).stream_specs(text_config, config)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    sink = min(tokens, config.sink_tokens)
-    tiles = (tokens - sink) // config.tile_size if sink == config.sink_tokens else 0
-    fp_tokens = tokens - tiles * config.tile_size
-    per_layer = 0
-    for spec in specs:
-        if spec.bits >= 16:
-            per_layer += tokens * spec.num_heads * spec.dim * element_size
-        else:
-            per_layer += spec.num_heads * (fp_tokens * spec.dim * element_size + tiles * spec.tile_nbytes(config.tile_size))
-    total = 0
-    for layer_type, kwargs in zip(layer_types, layer_kwargs):
-        if layer_type in QUANTIZED_LAYER_TYPES:
-            total += per_layer
-            if layer_type == "indexed_attention":
-                total += tokens * text_config.index_head_dim * element_size
-        else:  # transformers' sliding layer keeps the last window - 1 tokens
-            kept = min(tokens, kwargs["sliding_window"] - 1)
-            total += kept * sum(s.num_heads * s.dim for s in specs) * element_size
-    return batch * total

@@ -7,44 +7,40 @@ import json
 import sys
 
 from . import __version__
-from .adapters import adapter_for
-from .config import PRESETS, KVarNConfig
+from .config import PRESETS, UNQUANTIZED
 
 
 def _presets(args: argparse.Namespace) -> int:
+    from .adapters import layer_specs
     from .archs import load_config
-    from .cache import expected_nbytes
+    from .plan import bits_label, expected_nbytes, family_label
 
     model_config = load_config(args.model)
-    adapter = adapter_for(model_config)
-    text_config = model_config.get_text_config(decoder=True)
-    unquantized = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
-    dense = expected_nbytes(model_config, unquantized, args.context)
-    print(f"{args.model}: {adapter.family} attention; KV bytes per token over all layers at {args.context} tokens "
-          "(sink, tail and scales included), and per layer in a quantized tile (the long-context limit)")
-    bits_header = "latent/rope" if adapter.family == "mla" else "key/value"
-    print(f"{'preset':<11} {'method':<9} {bits_header:<12} {'tile':>4} {'sink':>5} {'tile B/tok/layer':>16} "
+    dense = expected_nbytes(model_config, UNQUANTIZED, args.context)
+    bits_header = bits_label(layer_specs(model_config, UNQUANTIZED))[0]
+    print(f"{args.model}: {family_label(model_config)} attention; KV bytes per token over all layers at "
+          f"{args.context} tokens (sink, tail and scales included), and per layer in a quantized tile (the "
+          "long-context limit)")
+    print(f"{'preset':<13} {'method':<14} {bits_header:<12} {'tile':>4} {'sink':>5} {'tile B/tok/layer':>16} "
           f"{'B/token':>9} {'vs 16-bit':>9}")
-    for name, config in [("16-bit", unquantized), *PRESETS.items()]:
-        bits = (config.latent_bits, config.rope_bits) if adapter.family == "mla" else (config.key_bits, config.value_bits)
-        per_layer = sum(
-            s.num_heads * (s.tile_nbytes(config.tile_size) / config.tile_size if s.bits < 16 else 2 * s.dim)
-            for s in adapter.stream_specs(text_config, config)
-        )
+    for name, config in [("16-bit", UNQUANTIZED), *PRESETS.items()]:
+        specs = layer_specs(model_config, config)
+        per_layer = sum(s.num_heads * (s.tile_nbytes() / config.tile_size if s.bits < 16 else 2 * s.dim) for s in specs)
         held = expected_nbytes(model_config, config, args.context)
-        method = "-" if config is unquantized else config.method
-        print(f"{name:<11} {method:<9} {'/'.join(map(str, bits)):<12} {config.tile_size:>4} {config.sink_tokens:>5} "
+        method = "-" if config is UNQUANTIZED else config.method
+        print(f"{name:<13} {method:<14} {bits_label(specs)[1]:<12} {config.tile_size:>4} {config.sink_tokens:>5} "
               f"{per_layer:>16.1f} {held / args.context:>9.1f} {dense / held:>8.3f}x")
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .adapters import layer_specs
     from .archs import load_config
-    from .plan import format_bytes, parameter_count, parse_memory, plan, weight_bytes
+    from .plan import bits_label, family_label, format_bytes, parameter_count, parse_memory, plan, weight_bytes
 
     memory = parse_memory(args.memory)
     model_config = load_config(args.model)
-    family = adapter_for(model_config).family  # unsupported model types stop here, with the supported list
+    family = family_label(model_config)  # unsupported model types stop here, with the supported list
     rows = plan(model_config, memory, args.batch, args.context, args.preset, dtype_bytes=args.dtype_bytes)
     text_config = model_config.get_text_config(decoder=True)
     parameters, weights = parameter_count(model_config), weight_bytes(model_config, args.dtype_bytes)
@@ -63,13 +59,12 @@ def _plan(args: argparse.Namespace) -> int:
               "the KV cache")
     print(f"KV bytes per token at {args.context} tokens (all layers; sink, tail and scales included); "
           f"max context per sequence at batch {args.batch}; max batch at {args.context} tokens")
-    bits_header = "latent/rope" if family == "mla" else "key/value"
+    bits_header = bits_label(layer_specs(model_config, UNQUANTIZED))[0]
     print(f"{'preset':<10} {bits_header:<11} {'B/token':>9} {'KV/sequence':>11} {'vs 16-bit':>9} "
           f"{'max context':>12} {'max batch':>9}")
     beyond = False
     for row in rows:
-        config = row.config
-        bits = (config.latent_bits, config.rope_bits) if family == "mla" else (config.key_bits, config.value_bits)
+        bits = bits_label(layer_specs(model_config, row.config))[1]
         if free < 0:
             context, batch = "-", "-"
         elif row.max_context is None:
@@ -80,7 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
                 context, beyond = context + "*", True
         if free >= 0:
             batch = f"{row.max_batch:,}"
-        print(f"{row.name:<10} {'/'.join(map(str, bits)):<11} {row.bytes_per_token:>9.1f} "
+        print(f"{row.name:<10} {bits:<11} {row.bytes_per_token:>9.1f} "
               f"{format_bytes(row.sequence_nbytes):>11} {rows[0].sequence_nbytes / row.sequence_nbytes:>8.2f}x "
               f"{context:>12} {batch:>9}")
     if beyond:

@@ -28,9 +28,9 @@ from transformers.modeling_utils import AttentionInterface
 
 from .adapters import Adapter, AttentionBinding, adapter_for, kvarn_attention
 from .adapters.base import BINDING_ATTR, to_bool_mask, token_validity
+from .backends import resolve_backend
 from .cache import QUANTIZED_LAYER_TYPES, KVarNCache
 from .config import KVarNConfig, resolve_config
-from .kernels.common import select_backend
 
 ATTN_IMPLEMENTATION = "kvarn"
 STATE_ATTR = "_kvarn_state"
@@ -54,12 +54,6 @@ def _register_interfaces() -> None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvarn_attention)
     if ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-
-
-def resolve_backend(config: KVarNConfig, model: nn.Module) -> str:
-    """The backend for the model's current device; ``backend="triton"`` on CPU without the interpreter raises."""
-    parameter = next(model.parameters(), None)
-    return select_backend(config.backend, parameter.device if parameter is not None else torch.device("cpu"))
 
 
 def _stash_cache(module: nn.Module, args, kwargs):
@@ -90,12 +84,8 @@ def _token_valid(mask, cache: KVarNCache):
     return None if bool(mask.all()) else mask
 
 
-def _describe(config: KVarNConfig, adapter: Adapter) -> str:
-    bits = (
-        f"latent={config.latent_bits}b, rope={config.rope_bits}b"
-        if adapter.family == "mla"
-        else f"k={config.key_bits}b, v={config.value_bits}b"
-    )
+def _describe(config: KVarNConfig, adapter: Adapter, text_config) -> str:
+    bits = ", ".join(f"{s.name}={s.bits}b" for s in adapter.stream_specs(text_config, config))
     return f"kvarn({bits}, tile={config.tile_size}, sink={config.sink_tokens}, method={config.method})"
 
 
@@ -118,7 +108,8 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
         raise TypeError(f"kvarn_mla.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
     config = resolve_config(config, **overrides)
     adapter = adapter_for(model.config)
-    resolve_backend(config, model)
+    parameter = next(model.parameters(), None)
+    backend = resolve_backend(config.backend, parameter.device if parameter is not None else "cpu")
     decoder = model.get_decoder()
     modules = [m for m in decoder.modules() if adapter.is_attention(m)]
     if not modules:
@@ -138,9 +129,9 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
     previous = text_config._attn_implementation_internal
     fallback = "eager" if previous == "eager" else "sdpa"
     state = PatchState(config, adapter, modules, text_config, previous)
-    description = _describe(config, adapter)
+    description = _describe(config, adapter, text_config)
     for module in modules:
-        module.__dict__[BINDING_ATTR] = AttentionBinding(adapter, config, fallback)
+        module.__dict__[BINDING_ATTR] = AttentionBinding(adapter, config, backend, fallback)
         adapter.prepare(module)
         module.extra_repr = types.MethodType(lambda self: description, module)
         state.handles.append(module.register_forward_pre_hook(_stash_cache, with_kwargs=True))
@@ -211,4 +202,4 @@ def _make_cache_injector(model: PreTrainedModel):
     return inject
 
 
-__all__ = ["patch", "unpatch", "patched", "is_patched", "resolve_backend", "ATTN_IMPLEMENTATION"]
+__all__ = ["patch", "unpatch", "patched", "is_patched", "ATTN_IMPLEMENTATION"]

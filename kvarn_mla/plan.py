@@ -15,14 +15,15 @@ from fractions import Fraction
 
 import torch
 from transformers import PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .adapters import adapter_for
-from .cache import expected_nbytes
-from .config import PRESETS, KVarNConfig, resolve_config
+from .adapters import adapter_for, layer_specs
+from .cache import QUANTIZED_LAYER_TYPES
+from .config import PRESETS, UNQUANTIZED, KVarNConfig, resolve_config
+from .store import StreamSpec
 
 # The row every plan starts with: every stream kept in the model dtype, i.e. what an unpatched cache holds.
 UNQUANTIZED_NAME = "16-bit"
-UNQUANTIZED = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
 # Past this many tokens the search stops and calls the context unbounded: the cache stopped growing (every layer
 # is a sliding window), which no memory budget can turn into a limit.
 MAX_TOKENS = 2**40
@@ -35,6 +36,61 @@ _UNITS = {
 _MEMORY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
 _ACCEPTED = ("a positive number and a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
              "(powers of 1024), e.g. '80GiB', '1.5TB' or '512 MiB'")
+
+
+def expected_nbytes(
+    model_config: PretrainedConfig,
+    config: KVarNConfig | str | None,
+    tokens: int,
+    batch: int = 1,
+    element_size: int = 2,
+) -> int:
+    """Bytes a `KVarNCache` holds after ``tokens`` tokens, computed from the layout (what `KVarNCache.nbytes`
+    reports once every full tile is flushed), without building tensors.
+
+    Args:
+        model_config: A config of a supported model type.
+        config: Preset name or `KVarNConfig`.
+        tokens: Context length T.
+        batch: Sequences in the batch.
+        element_size: Bytes per element of the model dtype (sink, tail, unquantized streams).
+    """
+    config = resolve_config(config)
+    text_config = model_config.get_text_config(decoder=True)
+    specs = layer_specs(model_config, config)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    sink = min(tokens, config.sink_tokens)
+    tiles = (tokens - sink) // config.tile_size if sink == config.sink_tokens else 0
+    fp_tokens = tokens - tiles * config.tile_size
+    per_layer = 0
+    for spec in specs:
+        if spec.bits >= 16:
+            per_layer += tokens * spec.num_heads * spec.dim * element_size
+        else:
+            per_layer += spec.num_heads * (fp_tokens * spec.dim * element_size + tiles * spec.tile_nbytes())
+    total = 0
+    for layer_type, kwargs in zip(layer_types, layer_kwargs):
+        if layer_type in QUANTIZED_LAYER_TYPES:
+            total += per_layer
+            if layer_type == "indexed_attention":
+                total += tokens * text_config.index_head_dim * element_size
+        else:  # transformers' sliding layer keeps the last window - 1 tokens
+            kept = min(tokens, kwargs["sliding_window"] - 1)
+            total += kept * sum(s.num_heads * s.dim for s in specs) * element_size
+    return batch * total
+
+
+def family_label(model_config: PretrainedConfig) -> str:
+    """``"MLA"``, ``"GQA"`` or ``"MHA"``, from the streams a layer of this model caches."""
+    key, _ = layer_specs(model_config, UNQUANTIZED)
+    if key.name == "latent":
+        return "MLA"
+    return "MHA" if key.num_heads == model_config.get_text_config(decoder=True).num_attention_heads else "GQA"
+
+
+def bits_label(specs: tuple[StreamSpec, StreamSpec]) -> tuple[str, str]:
+    """``("key/value", "4/2")`` or ``("latent/rope", "4/16")``: the streams' names and bit widths."""
+    return "/".join(s.name for s in specs), "/".join(str(s.bits) for s in specs)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICE, build_model, sqnr, teacher_forced_logits
 
 import kvarn_mla
-from kvarn_mla.kernels.common import select_backend
+from kvarn_mla.backends import resolve_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 # The interpreter computes the kernels' dots in float32; compiled on CUDA, float32 dots run as TF32.
@@ -55,13 +55,36 @@ def test_triton_backend_chunked_prefill_uses_the_multi_query_kernel():
 
 
 def test_auto_backend_and_explicit_choices():
-    assert select_backend("auto", torch.device("cpu")) == "torch"
-    assert select_backend("torch", torch.device("cpu")) == "torch"
-    assert select_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+    assert resolve_backend("torch", torch.device("cpu")).name == "torch"
+    assert resolve_backend("auto", torch.device("cuda")).name == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
-        select_backend("cuda", torch.device("cpu"))
+        resolve_backend("cuda", torch.device("cpu"))
     env = dict(os.environ, TRITON_INTERPRET="0")
-    code = ("import torch\nfrom kvarn_mla.kernels.common import select_backend\n"
-            "select_backend('triton', torch.device('cpu'))")
+    code = ("import torch\nfrom kvarn_mla.backends import resolve_backend\n"
+            "resolve_backend('triton', torch.device('cpu'))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode != 0 and "set TRITON_INTERPRET=1" in run.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_patch_resolves_the_backend_once(monkeypatch, backend):
+    """The backend `patch` resolved is the one every cache layer and attention binding uses; generating never
+    resolves it again."""
+    import kvarn_mla.cache
+    from kvarn_mla.adapters.base import find_binding
+
+    model = build_model("llama").to(DEVICE)
+    kvarn_mla.patch(model, "k4v2", tile_size=64, sink_tokens=64, backend=backend)
+    resolved = find_binding(model).backend
+    assert resolved.name == backend
+
+    def refuse(*args):
+        raise AssertionError("the backend was resolved again")
+
+    monkeypatch.setattr(kvarn_mla.cache, "resolve_backend", refuse)
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(0)).to(DEVICE)  # no pad id (0)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert all(layer.backend is resolved for layer in out.cache.layers)
+    assert out.cache.layers[0].streams[0].num_tiles == 1

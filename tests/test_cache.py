@@ -10,7 +10,7 @@ from transformers import AutoConfig
 import kvarn_mla
 from kvarn_mla import KVarNCache, KVarNConfig
 from kvarn_mla.quant.rtn import packed_width
-from kvarn_mla.quant.store import GrowableTensor, TiledStream
+from kvarn_mla.store import GrowableTensor
 
 
 def _config(model_type: str, **overrides):
@@ -39,7 +39,7 @@ def _expected_stream_bytes(spec, length, batch, config: KVarNConfig, element_siz
     tiles = (length - sink) // config.tile_size if sink == config.sink_tokens else 0
     tail = length - sink - tiles * config.tile_size
     fp = (sink + tail) * spec.dim * element_size
-    return batch * spec.num_heads * (fp + tiles * spec.tile_nbytes(config.tile_size))
+    return batch * spec.num_heads * (fp + tiles * spec.tile_nbytes())
 
 
 @pytest.mark.parametrize("model_type", ["mla-512+64", "gqa-128", "deepseek_v32"])
@@ -51,10 +51,8 @@ def test_nbytes_equals_the_bytes_actually_held(model_type, preset):
     _fill(layer, 700, batch=2, step=97)
     stored = []
     for stream in layer.streams:
-        if isinstance(stream, TiledStream):
-            stored += [stream.sink, stream.tail, *stream.tiles.parts()]
-        else:
-            stored.append(stream.full())
+        view = stream.view()
+        stored += [view.sink, view.tail, *(view.tiles.parts() if view.tiles is not None else ())]
     if hasattr(layer, "indexer"):
         stored.append(layer.indexer.full())
     held = sum(t.numel() * t.element_size() for t in stored if t is not None)
@@ -74,7 +72,7 @@ def test_k4v2_byte_ratio_after_4096_tokens(model_type, bound):
     assert ratio <= bound, f"{model_type}: {ratio:.4f} of the 16-bit bytes"
     # And the exact layout arithmetic: 402 B/token (MLA) and 108 B/token/kv-head (dense) per quantized tile token.
     spec = cache.layers[0].specs
-    per_token = sum(s.tile_nbytes(128) * s.num_heads for s in spec if s.bits < 16) / 128
+    per_token = sum(s.tile_nbytes() * s.num_heads for s in spec if s.bits < 16) / 128
     per_token += sum(s.num_heads * s.dim * 2 for s in spec if s.bits == 16)
     assert per_token == {"mla-512+64": 402, "gqa-128": 108 * 2}[model_type]
 
@@ -88,7 +86,7 @@ def test_tiles_quantize_once_when_full_and_the_tail_stays_exact():
     assert (keys.sink_length, keys.num_tiles, keys.tail_length) == (64, 0, 136)  # quantization waits for flush
     layer.flush()
     assert (keys.sink_length, keys.num_tiles, keys.tail_length) == (64, 2, 8)
-    assert torch.equal(keys.sink, x[:, :, :64]) and torch.equal(keys.tail, x[:, :, 192:])
+    assert torch.equal(keys.view().sink, x[:, :, :64]) and torch.equal(keys.view().tail, x[:, :, 192:])
     codes = keys.tiles.codes.clone()
     layer.flush()
     layer.update(torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16))
@@ -113,7 +111,7 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(bad):
     cache = KVarNCache(_config("deepseek_v3"), KVarNConfig(tile_size=64, sink_tokens=64))
     layer = cache.layers[0]
     _fill(layer, 150, batch=2, dtype=torch.float32)
-    before = [s.dequantized().clone() if isinstance(s, TiledStream) else s.full().clone() for s in layer.streams]
+    before = [s.dequantized().clone() for s in layer.streams]
     size = layer.nbytes()
     latent, rope = torch.randn(2, 1, 3, 32), torch.randn(2, 1, 3, 8)
     if bad == "nan":
@@ -132,7 +130,7 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(bad):
                "dtype": "dtype=torch.float16", "batch": "batch=3", "rank": "4D tensor"}[bad]
     with pytest.raises(ValueError, match=message):
         layer.update(latent, rope)
-    after = [s.dequantized() if isinstance(s, TiledStream) else s.full() for s in layer.streams]
+    after = [s.dequantized() for s in layer.streams]
     assert layer.nbytes() == size and layer.get_seq_length() == 150
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -219,13 +217,13 @@ def test_fake_quantize_matches_the_cache_and_keeps_sink_and_tail():
     cache = KVarNCache(_config("llama"), KVarNConfig(key_bits=4, tile_size=64, sink_tokens=64))
     stream = cache.layers[0].streams[0]
     stream.append(x[:1, :2, :, :16])
-    stream.flush()
+    cache.flush()
     ref = kvarn_mla.fake_quantize(x[:1, :2, :, :16], 4, "channel", tile_size=64, sink_tokens=64)
     assert torch.equal(stream.dequantized(), ref)
     assert torch.equal(kvarn_mla.fake_quantize(x, 16, "token"), x)
     with pytest.raises(ValueError, match="NaN or Inf"):
         kvarn_mla.fake_quantize(torch.tensor([[float("nan")] * 4] * 4), 4, "token")
-    with pytest.raises(ValueError, match=r"key_bits must be one of"):
+    with pytest.raises(ValueError, match=r"bits must be one of"):
         kvarn_mla.fake_quantize(x, 5, "token")
     with pytest.raises(ValueError, match="unknown"):
         kvarn_mla.fake_quantize(x, 4, "token", value_bits=2)

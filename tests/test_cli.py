@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from kvarn_mla import PRESETS, KVarNCache, __version__
 from kvarn_mla.archs import ARCHITECTURES, load_config
-from kvarn_mla.cache import expected_nbytes
+from kvarn_mla.plan import expected_nbytes
 from kvarn_mla.cli import main
 
 
@@ -45,12 +45,16 @@ def test_version_and_presets_table(capsys):
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"kvarn-mla {__version__}"
     assert main(["presets", "--model", "deepseek-v3"]) == 0
     out = capsys.readouterr().out
-    assert "k4v2        kvarn     4/16          128   128            402.0" in out
-    assert "16-bit      -         16/16         128   128           1152.0" in out
+    assert "MLA attention" in out and "latent/rope" in out
+    assert "k4v2          kvarn          4/16          128   128            402.0" in out
+    assert "16-bit        -              16/16         128   128           1152.0" in out
+    assert "kvarn-vn-k4v2 rotation/kvarn 4/16          128   128            402.0" in out
     for name in PRESETS:
         assert f"\n{name} " in out
     assert main(["presets", "--model", "llama-3-8b"]) == 0
-    assert "k4v2        kvarn     4/2           128   128            864.0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "GQA attention" in out and "key/value" in out
+    assert "k4v2          kvarn          4/2           128   128            864.0" in out
 
 
 def test_presets_reads_a_config_file(tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvarn_mla import PRESETS, KVarNConfig, resolve_config
+from kvarn_mla import PRESETS, KVarNConfig, TileScheme, resolve_config
 
 
 def test_defaults_are_the_published_setting():
@@ -33,6 +33,10 @@ def test_presets_cover_the_required_settings():
         ("key_bits", 5, r"key_bits must be one of \(2, 3, 4, 8, 16\).*got 5"),
         ("value_bits", 1, "value_bits must be one of"),
         ("latent_bits", True, "latent_bits must be one of"),
+        ("key_bits", 4.0, r"key_bits must be one of .*got 4\.0 \(float\)"),
+        ("tile_size", 128.0, r"tile_size must be one of \(64, 128\), got 128\.0"),
+        ("key_varnorm_iters", -1, r"key_varnorm_iters must be an integer in \[0, 64\], got -1"),
+        ("value_varnorm_iters", True, "value_varnorm_iters must be an integer in"),
         ("rope_bits", 32, "rope_bits must be one of"),
         ("tile_size", 96, r"tile_size must be one of \(64, 128\), got 96"),
         ("sink_tokens", -1, "sink_tokens must be an integer >= 0, got -1"),
@@ -63,3 +67,18 @@ def test_resolve_config_errors():
     with pytest.raises(TypeError, match="KVarNConfig or a preset name"):
         resolve_config(4)
     assert resolve_config("k2v2", tile_size=64) == PRESETS["k2v2"].replace(tile_size=64)
+
+
+def test_schemes_per_stream():
+    config = KVarNConfig(key_bits=3, value_bits=2, latent_bits=4, rope_bits=8, value_varnorm_iters=2)
+    key, value, latent, rope = (config.scheme(s) for s in ("key", "value", "latent", "rope"))
+    assert (key.bits, key.axis, key.varnorm_iters) == (3, "channel", 8)
+    assert (value.bits, value.axis, value.varnorm_iters) == (2, "token", 2)
+    assert (latent.bits, latent.axis, rope.bits, rope.axis) == (4, "channel", 8, "channel")
+    assert {s.tile_size for s in (key, value, latent, rope)} == {128} and key.hadamard
+    vn = PRESETS["kvarn-vn-k4v2"]  # keys and the MLA streams rotation-only, values KVarN
+    assert [vn.scheme(s).varnorm_iters for s in ("key", "value", "latent", "rope")] == [0, 8, 0, 0]
+    assert vn.method == "rotation/kvarn" and vn.replace(key_varnorm_iters=None) == PRESETS["k4v2"]
+    assert TileScheme(4, "token").tile_nbytes(128) == 128 * 64 + 2 * (2 * 128 + 128)
+    with pytest.raises(ValueError, match="axis must be one of"):
+        TileScheme(4, "head")

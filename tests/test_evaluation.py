@@ -48,6 +48,11 @@ def test_parse_methods():
     three = parse_method("kivi-3").config
     assert (three.key_bits, three.value_bits, three.latent_bits, three.rope_bits, three.method) == (3, 3, 3, 16, "rtn")
     assert parse_method("rot-2+rope_bits=8").config.rope_bits == 8 and parse_method("kvarn-4").config.method == "kvarn"
+    vn = parse_method("kvarnvn-3").config
+    assert (vn.key_bits, vn.value_bits, vn.method) == (3, 3, "rotation/kvarn")
+    assert vn.scheme("latent").varnorm_iters == 0 and vn.scheme("value").varnorm_iters == 8
+    assert parse_method("k4v2+value_varnorm_iters=2+key_varnorm_iters=None").config.scheme("value").varnorm_iters == 2
+    assert parse_method("kvarn-vn-k4v2").config == kvarn_mla.PRESETS["kvarn-vn-k4v2"]
     with pytest.raises(ValueError, match="key_bits must be one of"):
         parse_method("kvarn-5")
     with pytest.raises(ValueError, match="unknown method 'k9'"):
@@ -275,12 +280,12 @@ def test_sweep_method_lists_follow_the_bit_selection():
     from kvarn_mla.evaluation.methods import parse_methods
     from kvarn_mla.evaluation.sweep import mla_grid, quantizers, select, transformers_baselines
 
-    assert quantizers((2, 4)) == ["kvarn-2", "kivi-2", "rot-2", "kvarn-4", "kivi-4", "rot-4"]
+    assert quantizers((2, 4)) == ["kvarn-2", "kivi-2", "rot-2", "kvarnvn-2", "kvarn-4", "kivi-4", "rot-4", "kvarnvn-4"]
     grid = parse_methods(",".join(mla_grid((3,))))[1:]  # [0] is the bf16 reference
     assert [(m.config.latent_bits, m.config.rope_bits) for m in grid] == [(3, 4), (3, 8)]
     runnable, missing = transformers_baselines((3,))  # transformers' caches have no 3-bit setting here
     assert runnable == ["hf-fp8"] and set(missing) <= {"hf-quanto", "hf-hqq"}
     names = quantizers((2,)) + mla_grid((2,)) + ["hf-fp8", "hf-quanto-2"]
     assert select(names, ("hf-",)) == ["hf-fp8", "hf-quanto-2"]  # one process for transformers' caches ...
-    assert select(names, ("kvarn", "kivi", "rot")) == names[:5]  # ... one for ours
+    assert select(names, ("kvarn", "kivi", "rot")) == names[:6]  # ... one for ours
     assert select(names, None) == names

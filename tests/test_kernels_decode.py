@@ -7,9 +7,10 @@ import torch
 
 from conftest import DEVICE
 
+from kvarn_mla.config import TileScheme
 from kvarn_mla.kernels.decode import kernel_supports, merge_splits, tiled_attention
-from kvarn_mla.quant.attention import tiled_attention_reference
-from kvarn_mla.quant.store import StreamSpec, make_stream
+from kvarn_mla.quant import StreamView, store_tiles_reference, tiled_attention_reference
+from kvarn_mla.store import Stream, StreamSpec, flush_streams
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 # Max abs error / max abs output. The interpreter computes the kernel's dots in float32 while the torch path keeps
@@ -19,16 +20,22 @@ TOLERANCE = ({torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2} if
              else {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2})
 
 
-def _stream(spec: StreamSpec, batch: int, length: int, *, tile=64, sink=64, dtype=torch.float32, seed=0, steps=3):
+def _spec(name: str, heads: int, dim: int, bits: int, axis: str) -> tuple:
+    return name, heads, dim, bits, axis
+
+
+def _stream(spec: tuple, batch: int, length: int, *, tile=64, sink=64, dtype=torch.float32, seed=0,
+            steps=3) -> StreamView:
     """A stream filled in a few appends (prefill + chunks), every full tile flushed."""
-    stream = make_stream(spec, tile, sink, 8, True)
+    name, heads, dim, bits, axis = spec
+    stream = Stream(StreamSpec(name, heads, dim, TileScheme(bits, axis, tile_size=tile, sink_tokens=sink)))
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, spec.num_heads, length, spec.dim, generator=gen)
-    x = x * torch.exp(0.5 * torch.randn(batch, spec.num_heads, length, 1, generator=gen))
+    x = torch.randn(batch, heads, length, dim, generator=gen)
+    x = x * torch.exp(0.5 * torch.randn(batch, heads, length, 1, generator=gen))
     for chunk in torch.tensor_split(x.to(device=DEVICE, dtype=dtype), steps, dim=2):
         stream.append(chunk)
-        stream.flush()
-    return stream
+        flush_streams([stream], store_tiles_reference)
+    return stream.view()
 
 
 def _check(q, keys, values, *, q_len=1, kv_start=None, num_splits=None, dtype=torch.float32):
@@ -45,8 +52,8 @@ def _check(q, keys, values, *, q_len=1, kv_start=None, num_splits=None, dtype=to
 @pytest.mark.parametrize("kv_heads, group, dim", [(4, 1, 32), (2, 4, 64), (1, 8, 128)])  # MHA, GQA 4, GQA 8
 @pytest.mark.parametrize("splits", [1, 3])
 def test_dense_decode(kv_heads, group, dim, splits):
-    keys = _stream(StreamSpec("key", kv_heads, dim, 4, "channel"), 2, 330)  # sink 64, 4 tiles, partial tail
-    values = _stream(StreamSpec("value", kv_heads, dim, 2, "token"), 2, 330, seed=1)
+    keys = _stream(_spec("key", kv_heads, dim, 4, "channel"), 2, 330)  # sink 64, 4 tiles, partial tail
+    values = _stream(_spec("value", kv_heads, dim, 2, "token"), 2, 330, seed=1)
     assert (keys.sink_length, keys.num_tiles, keys.tail_length) == (64, 4, 10)
     _check(torch.randn(2, kv_heads, group, dim), [keys], values, num_splits=splits)
 
@@ -54,22 +61,22 @@ def test_dense_decode(kv_heads, group, dim, splits):
 @pytest.mark.parametrize("rope_bits", [16, 8])
 @pytest.mark.parametrize("rank, rope", [(512, 64), (64, 16)])
 def test_mla_decode(rank, rope, rope_bits):
-    latent = _stream(StreamSpec("latent", 1, rank, 4, "channel"), 2, 200)
-    rope_key = _stream(StreamSpec("rope", 1, rope, rope_bits, "channel"), 2, 200, seed=2)
+    latent = _stream(_spec("latent", 1, rank, 4, "channel"), 2, 200)
+    rope_key = _stream(_spec("rope", 1, rope, rope_bits, "channel"), 2, 200, seed=2)
     heads = 16
     _check(torch.randn(2, 1, heads, rank + rope), [latent, rope_key], None, num_splits=2)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 8])
 def test_bit_widths_and_tile_128_without_sink(bits):
-    keys = _stream(StreamSpec("key", 2, 32, bits, "channel"), 1, 300, tile=128, sink=0)
-    values = _stream(StreamSpec("value", 2, 32, bits, "token"), 1, 300, tile=128, sink=0, seed=4)
+    keys = _stream(_spec("key", 2, 32, bits, "channel"), 1, 300, tile=128, sink=0)
+    values = _stream(_spec("value", 2, 32, bits, "token"), 1, 300, tile=128, sink=0, seed=4)
     _check(torch.randn(1, 2, 4, 32), [keys], values)
 
 
 def test_left_padded_batch_and_multi_query_causal():
-    keys = _stream(StreamSpec("key", 2, 32, 4, "channel"), 3, 260)
-    values = _stream(StreamSpec("value", 2, 32, 2, "token"), 3, 260, seed=1)
+    keys = _stream(_spec("key", 2, 32, 4, "channel"), 3, 260)
+    values = _stream(_spec("value", 2, 32, 2, "token"), 3, 260, seed=1)
     kv_start = torch.tensor([0, 20, 150])  # the last row's padding runs into the tiles
     _check(torch.randn(3, 2, 4, 32), [keys], values, kv_start=kv_start)
     # A chunk of 6 queries per head (prefill chunk / speculative verify), causal over the last 6 positions.
@@ -78,14 +85,14 @@ def test_left_padded_batch_and_multi_query_causal():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_input_dtypes(dtype):
-    keys = _stream(StreamSpec("key", 2, 64, 4, "channel"), 2, 200, dtype=dtype)
-    values = _stream(StreamSpec("value", 2, 64, 2, "token"), 2, 200, dtype=dtype, seed=1)
+    keys = _stream(_spec("key", 2, 64, 4, "channel"), 2, 200, dtype=dtype)
+    values = _stream(_spec("value", 2, 64, 2, "token"), 2, 200, dtype=dtype, seed=1)
     _check(torch.randn(2, 2, 4, 64).to(dtype), [keys], values, dtype=dtype)
 
 
 def test_split_merge_is_exact_against_a_single_split():
-    latent = _stream(StreamSpec("latent", 1, 64, 4, "channel"), 2, 64 + 64 * 7 + 5)
-    rope_key = _stream(StreamSpec("rope", 1, 16, 16, "channel"), 2, 64 + 64 * 7 + 5, seed=2)
+    latent = _stream(_spec("latent", 1, 64, 4, "channel"), 2, 64 + 64 * 7 + 5)
+    rope_key = _stream(_spec("rope", 1, 16, 16, "channel"), 2, 64 + 64 * 7 + 5, seed=2)
     q = torch.randn(2, 1, 8, 80, device=DEVICE)
     one = tiled_attention(q, [latent, rope_key], None, 0.25, num_splits=1)
     for splits in (2, 3, 7):
@@ -104,8 +111,8 @@ def test_merge_of_hand_made_partials():
 
 
 def test_unsupported_combinations_are_refused():
-    dense_keys = _stream(StreamSpec("key", 2, 32, 16, "channel"), 1, 100)
-    values = _stream(StreamSpec("value", 2, 32, 2, "token"), 1, 100)
+    dense_keys = _stream(_spec("key", 2, 32, 16, "channel"), 1, 100)
+    values = _stream(_spec("value", 2, 32, 2, "token"), 1, 100)
     assert not kernel_supports([dense_keys], values)
     with pytest.raises(ValueError, match="quantized channel-axis first key stream"):
         tiled_attention(torch.randn(1, 2, 4, 32, device=DEVICE), [dense_keys], values, 0.25)

@@ -7,6 +7,7 @@ import torch
 
 from conftest import DEVICE
 
+from kvarn_mla.config import TileScheme
 from kvarn_mla.kernels.store import store_tiles
 from kvarn_mla.quant import store_tiles_reference
 
@@ -20,11 +21,12 @@ def _tiles(num: int, size: int, dim: int, dtype=torch.float32, seed: int = 0) ->
     return x.to(dtype)
 
 
-def _assert_identical(x, bits, axis, **kwargs):
+def _assert_identical(x, bits, axis, token_valid=None, **fields):
     x = x.to(DEVICE)
-    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    kernel = store_tiles(x, bits, axis, **kwargs)
-    reference = store_tiles_reference(x, bits, axis, **kwargs)
+    scheme = TileScheme(bits, axis, tile_size=x.shape[1], **fields)
+    token_valid = None if token_valid is None else token_valid.to(DEVICE)
+    kernel = store_tiles(x, scheme, token_valid)
+    reference = store_tiles_reference(x, scheme, token_valid)
     for name, a, b in zip(("codes", "scale", "zero", "gamma"), kernel.parts(), reference.parts()):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:5].tolist()}"
@@ -68,15 +70,16 @@ def test_store_degenerate_tiles():
                      1e-5 * torch.randn(64, 64), 1e-4 * torch.randn(64, 64)])
     for axis in ("channel", "token"):
         _assert_identical(x, 4, axis)
-        assert torch.isfinite(store_tiles(x.to(DEVICE), 4, axis).scale.float()).all()
+        assert torch.isfinite(store_tiles(x.to(DEVICE), TileScheme(4, axis, tile_size=64)).scale.float()).all()
 
 
 def test_store_rejects_bad_input():
-    with pytest.raises(ValueError, match="bits must be one of"):
-        store_tiles(torch.randn(1, 64, 64, device=DEVICE), 5, "channel")
-    with pytest.raises(ValueError, match="axis"):
-        store_tiles(torch.randn(1, 64, 64, device=DEVICE), 4, "rows")
-    with pytest.raises(ValueError, match=r"\[N, G, D\]"):
-        store_tiles(torch.randn(64, 64, device=DEVICE), 4, "token")
-    empty = store_tiles(torch.randn(0, 64, 64, device=DEVICE), 4, "token")
+    scheme = TileScheme(4, "token", tile_size=64)
+    with pytest.raises(ValueError, match="scheme.bits must be one of"):
+        store_tiles(torch.randn(1, 64, 64, device=DEVICE), TileScheme(16, "channel", tile_size=64))
+    with pytest.raises(ValueError, match=r"\[N, 64, D\]"):
+        store_tiles(torch.randn(64, 64, device=DEVICE), scheme)
+    with pytest.raises(ValueError, match=r"\[N, 128, D\]"):
+        store_tiles(torch.randn(1, 64, 64, device=DEVICE), TileScheme(4, "token"))
+    empty = store_tiles(torch.randn(0, 64, 64, device=DEVICE), scheme)
     assert empty.codes.shape == (0, 64, 32)

@@ -69,7 +69,7 @@ def test_patched_modules_say_so_and_repatching_switches_config():
     kvarn_mla.unpatch(model)
     assert "kvarn(" not in repr(model)
     dense = kvarn_mla.patch(build_model("llama"), "k8v8")
-    assert "kvarn(k=8b, v=8b" in repr(dense)
+    assert "kvarn(key=8b, value=8b" in repr(dense)
 
 
 def test_context_manager_unpatches_even_on_error():

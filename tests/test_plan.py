@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from kvarn_mla.adapters import adapter_for
 from kvarn_mla.archs import ARCHITECTURES, SOURCES, load_config
-from kvarn_mla.cache import expected_nbytes
+from kvarn_mla.plan import expected_nbytes
 from kvarn_mla.cli import main
 from kvarn_mla.config import PRESETS
 from kvarn_mla.plan import UNQUANTIZED, format_bytes, parameter_count, parse_memory, plan, weight_bytes
@@ -89,7 +89,7 @@ def test_cli_table(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--memory", "80GiB", "--batch", "8", "--context", "4096",
                  "--preset", "k4v2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "model    llama-3-8b: llama, dense attention, 32 layers, max_position_embeddings 8192"
+    assert lines[0] == "model    llama-3-8b: llama, GQA attention, 32 layers, max_position_embeddings 8192"
     assert lines[1] == "weights  8,030,261,248 parameters x 2 B = 16,060,522,496 B (15.0 GiB)"
     assert lines[2] == "memory   85,899,345,920 B (80.0 GiB): 69,838,823,424 B (65.0 GiB) left for the KV cache"
     assert lines[5].split() == ["16-bit", "16/16", "131072.0", "512", "MiB", "1.00x", "66,603*", "130"]

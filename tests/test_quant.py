@@ -1,4 +1,4 @@
-"""The pure-torch KVarN reference: rotation, normalization, RTN, packing, tiles and folded products."""
+"""The pure-torch KVarN reference: rotation, normalization, RTN, packing, tiles, folded products, attention."""
 
 from __future__ import annotations
 
@@ -7,23 +7,30 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvarn_mla.config import TileScheme
 from kvarn_mla.quant import (
     QuantizedTile,
+    StreamView,
     dequantize_tile,
-    folded_scores,
-    folded_values,
     hadamard_matrix,
     imbalance,
     pack,
     packed_width,
     quantize_rows,
     quantize_tile,
+    tile_scores,
+    tile_values,
+    tiled_attention_reference,
     unpack,
     variance_normalize,
 )
 from kvarn_mla.quant.hadamard import hadamard_block_size, rotate
 
 BITS = (2, 3, 4, 8)
+
+
+def scheme(bits: int, axis: str, size: int = 64, **fields) -> TileScheme:
+    return TileScheme(bits, axis, tile_size=size, **fields)
 
 
 # ---- Hadamard ---------------------------------------------------------------------------------------------------------
@@ -82,7 +89,7 @@ def test_rtn_error_is_at_most_half_a_step(bits):
 def test_tile_error_in_normalized_domain_is_at_most_half_a_step(bits, axis):
     """Dequantization error per element <= half a quantization step of its row, in the normalized domain."""
     x = torch.randn(4, 64, 48) * torch.exp(torch.randn(4, 64, 1))
-    tile = quantize_tile(x, bits, axis, varnorm_iters=8, hadamard=True)  # float32 metadata
+    tile = quantize_tile(x, scheme(bits, axis, varnorm_iters=8, hadamard=True))  # float32 metadata
     rows = rotate(x).transpose(-1, -2) if axis == "channel" else rotate(x)
     row_scale, col_scale = variance_normalize(rows, 8)
     z = rows / (row_scale.unsqueeze(-1) * col_scale.unsqueeze(-2))
@@ -136,8 +143,8 @@ def test_degenerate_tiles_stay_finite(axis, kind):
     # subnormal) on tiny magnitudes.
     bound = {"zero": 1e-6, "constant": 1e-2, "tiny-variance": 1e-2, "tiny-magnitude": 1e-5}[kind]
     for bits in BITS:
-        tile = quantize_tile(x, bits, axis).to_metadata_dtype()
-        restored = dequantize_tile(tile, bits, axis, 32)
+        tile = quantize_tile(x, scheme(bits, axis)).to_metadata_dtype()
+        restored = dequantize_tile(tile, scheme(bits, axis), 32)
         assert torch.isfinite(restored).all()
         assert (restored - x).abs().max() < bound
 
@@ -150,15 +157,14 @@ def test_padding_tokens_do_not_touch_the_statistics_of_real_tokens(axis):
     garbage_a, garbage_b = x.clone(), x.clone()
     garbage_a[:, :10] = 1e3 * torch.randn(3, 10, 32)
     garbage_b[:, :10] = -7.0
-    a = quantize_tile(garbage_a, 4, axis, token_valid=valid)
-    b = quantize_tile(garbage_b, 4, axis, token_valid=valid)
-    restored_a = dequantize_tile(a, 4, axis, 32)[:, 10:]
-    restored_b = dequantize_tile(b, 4, axis, 32)[:, 10:]
+    kvarn = scheme(4, axis)
+    restored_a = dequantize_tile(quantize_tile(garbage_a, kvarn, valid), kvarn, 32)[:, 10:]
+    restored_b = dequantize_tile(quantize_tile(garbage_b, kvarn, valid), kvarn, 32)[:, 10:]
     assert torch.allclose(restored_a, restored_b, atol=1e-5)
     # Without the mask, huge padding values would set the per-channel ranges of plain RTN.
-    kivi = dict(hadamard=False, varnorm_iters=0)
-    masked = dequantize_tile(quantize_tile(garbage_a, 4, axis, token_valid=valid, **kivi), 4, axis, 32, hadamard=False)
-    unmasked = dequantize_tile(quantize_tile(garbage_a, 4, axis, **kivi), 4, axis, 32, hadamard=False)
+    kivi = scheme(4, axis, hadamard=False, varnorm_iters=0)
+    masked = dequantize_tile(quantize_tile(garbage_a, kivi, valid), kivi, 32)
+    unmasked = dequantize_tile(quantize_tile(garbage_a, kivi), kivi, 32)
     if axis == "channel":
         assert (unmasked[:, 10:] - x[:, 10:]).norm() > 5 * (masked[:, 10:] - x[:, 10:]).norm()
     else:  # token rows are independent in RTN; only the normalization couples them
@@ -183,50 +189,65 @@ def test_kvarn_bounds_the_worst_token_error_far_below_kivi(bits):
     x = _outlier_keys(16)
 
     def worst(**kw):
-        tile = quantize_tile(x, bits, "channel", **kw).to_metadata_dtype()
-        restored = dequantize_tile(tile, bits, "channel", 128, hadamard=kw["hadamard"])
+        tiles = scheme(bits, "channel", 128, **kw)
+        restored = dequantize_tile(quantize_tile(x, tiles).to_metadata_dtype(), tiles, 128)
         return float(((restored - x).norm(dim=-1) / x.norm(dim=-1)).max())
 
     kvarn, kivi = worst(hadamard=True, varnorm_iters=8), worst(hadamard=False, varnorm_iters=0)
     assert kvarn * 5 < kivi, f"worst per-token error: kvarn {kvarn:.3f} vs kivi {kivi:.3f} at {bits} bits"
 
 
-# ---- folded products ---------------------------------------------------------------------------------------------------
+# ---- folded products and attention -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("bits", BITS)
 def test_folded_products_equal_products_with_dequantized_tiles(axis, bits):
     torch.manual_seed(bits)
     batch, heads, tiles, size, dim, rows = 2, 3, 5, 64, 40, 7
-    tile = quantize_tile(torch.randn(batch, heads, tiles, size, dim), bits, axis, hadamard=False)
-    tile = tile.to_metadata_dtype()
-    dense = dequantize_tile(tile, bits, axis, dim, hadamard=False).flatten(2, 3)  # [B, H, N*G, D]
+    plain = scheme(bits, axis, hadamard=False)
+    tile = quantize_tile(torch.randn(batch, heads, tiles, size, dim), plain).to_metadata_dtype()
+    dense = dequantize_tile(tile, plain, dim).flatten(2, 3)  # [B, H, N*G, D]
     q = torch.randn(batch, heads, rows, dim)
     p = torch.softmax(torch.randn(batch, heads, rows, tiles * size), -1)
-    scores = folded_scores(q, tile, bits, axis, dim)
+    codes, scale, zero, gamma = unpack(tile.codes, bits, dim).float(), *(t.float() for t in tile.parts()[1:])
+    scores = tile_scores(q, codes, scale, zero, gamma, axis)
     assert torch.allclose(scores, q @ dense.transpose(-1, -2), rtol=1e-4, atol=1e-4)
-    values = folded_values(p, tile, bits, axis, dim)
+    values = tile_values(p, codes, scale, zero, gamma, axis)
     assert torch.allclose(values, p @ dense, rtol=1e-4, atol=1e-5)
 
 
-def test_folded_products_chunk_over_tiles(monkeypatch):
-    import kvarn_mla.quant.folded as folded
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_reference_attention_equals_attention_over_dequantized_streams(monkeypatch, hadamard):
+    """Folded-scale attention over sink | tiles | tail, in blocks of tiles, = softmax attention over the
+    dequantized tokens (keys per channel, values per token), with padding and several queries."""
+    import kvarn_mla.quant.attention as attention
 
-    tile = quantize_tile(torch.randn(1, 1, 9, 64, 16), 4, "channel").to_metadata_dtype()
-    q, p = torch.randn(1, 1, 3, 16), torch.rand(1, 1, 3, 9 * 64)
-    whole = folded_scores(q, tile, 4, "channel", 16), folded_values(p, tile, 4, "channel", 16)
-    monkeypatch.setattr(folded, "CHUNK_ELEMENTS", 64 * 16 * 2)  # about two tiles per chunk
-    chunked = folded_scores(q, tile, 4, "channel", 16), folded_values(p, tile, 4, "channel", 16)
-    for a, b in zip(whole, chunked):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, rows, dim, sink, count, tail = 2, 2, 6, 32, 64, 5, 9
+    views, dense = [], []
+    for bits, axis in ((4, "channel"), (2, "token")):
+        tiles = scheme(bits, axis, hadamard=hadamard)
+        x = torch.randn(batch, heads, sink + count * 64 + tail, dim, generator=gen)
+        tile = quantize_tile(x[:, :, sink : sink + count * 64].unflatten(2, (count, 64)), tiles).to_metadata_dtype()
+        views.append(StreamView(tiles, dim, x.dtype, x[:, :, :sink], tile, x[:, :, -tail:]))
+        dense.append(torch.cat([x[:, :, :sink], dequantize_tile(tile, tiles, dim).flatten(2, 3), x[:, :, -tail:]], 2))
+    q = torch.randn(batch, heads, rows, dim, generator=gen)
+    kv_start = torch.tensor([0, 70])
+    length = dense[0].shape[2]
+    scores = q @ dense[0].transpose(-1, -2) * 0.2
+    scores = scores.masked_fill((torch.arange(length) < kv_start.view(-1, 1, 1, 1)), float("-inf"))
+    expected = torch.softmax(scores, -1) @ dense[1]
+    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", 64 * dim * 2)  # about two tiles per block
+    out = tiled_attention_reference(q, [views[0]], views[1], 0.2, kv_start=kv_start)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_tile_shapes_and_dtypes():
-    tile = quantize_tile(torch.randn(2, 128, 512), 4, "channel").to_metadata_dtype()
+    tile = quantize_tile(torch.randn(2, 128, 512), TileScheme(4, "channel")).to_metadata_dtype()
     assert isinstance(tile, QuantizedTile)
     assert tile.codes.shape == (2, 128, 256) and tile.codes.dtype == torch.uint8
     assert tile.scale.shape == tile.zero.shape == (2, 512) and tile.gamma.shape == (2, 128)
     assert {t.dtype for t in (tile.scale, tile.zero, tile.gamma)} == {torch.float16}
-    values = quantize_tile(torch.randn(2, 128, 512), 2, "token")
+    values = quantize_tile(torch.randn(2, 128, 512), TileScheme(2, "token"))
     assert values.scale.shape == (2, 128) and values.gamma.shape == (2, 512) and values.codes.shape == (2, 128, 128)
     with pytest.raises(ValueError, match="axis"):
-        quantize_tile(torch.randn(64, 8), 4, "row")
+        TileScheme(4, "row")

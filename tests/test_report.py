@@ -57,7 +57,7 @@ def test_report_builds_every_chart(results, tmp_path):
 
 def test_report_bytes_match_the_planner(tmp_path):
     from kvarn_mla.archs import load_config
-    from kvarn_mla.cache import expected_nbytes
+    from kvarn_mla.plan import expected_nbytes
 
     main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "none")])
     text = (tmp_path / "report.md").read_text()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .base import AttentionBinding, Adapter, kvarn_attention
+from ..config import KVarNConfig, resolve_config
+from ..store import StreamSpec
+from .base import Adapter, AttentionBinding, kvarn_attention
 from .dense import DenseAdapter
 from .mla import MLAAdapter
 
@@ -50,4 +52,10 @@ def adapter_for(config) -> Adapter:
     )
 
 
-__all__ = ["ADAPTERS", "Adapter", "AttentionBinding", "adapter_for", "kvarn_attention", "supported_model_types"]
+def layer_specs(model_config, config: KVarNConfig | str | None) -> tuple[StreamSpec, StreamSpec]:
+    """The (key slot, value slot) streams of one full-attention layer of a model of a supported type."""
+    return adapter_for(model_config).stream_specs(model_config.get_text_config(decoder=True), resolve_config(config))
+
+
+__all__ = ["ADAPTERS", "Adapter", "AttentionBinding", "adapter_for", "kvarn_attention", "layer_specs",
+           "supported_model_types"]

@@ -1,14 +1,14 @@
 """What every family adapter shares: the attention entry point registered with transformers, masks, fallbacks.
 
-Adapters map a family's cache onto two streams (see `kvarn_mla.quant.store`) and its queries and outputs onto
-grouped-query attention over those streams (`attend`). They never touch transformers' module globals: everything
-they change lives on the attention module instances that `kvarn_mla.patch` hands them, and is undone by `restore`.
+Adapters map a family's cache onto two streams (see `kvarn_mla.store`) and its queries and outputs onto
+grouped-query attention over those streams (the backend's ``attend``). They never touch transformers' module globals:
+everything they change lives on the attention module instances that `kvarn_mla.patch` hands them, and is undone by
+`restore`.
 """
 
 from __future__ import annotations
 
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,20 +16,21 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..backends import Backend
 from ..config import KVarNConfig
-from ..kernels.common import select_backend
-from ..quant.attention import attention_mask, tiled_attention_reference
-from ..quant.store import StreamSpec
+from ..store import StreamSpec
 
 BINDING_ATTR = "_kvarn"  # instance attribute set by `patch` on each attention module it takes over
 
 
 @dataclass
 class AttentionBinding:
-    """Per attention module: which adapter serves it, with which config; ``cache`` is set for one forward call."""
+    """Per attention module: which adapter serves it, with which config and backend (resolved once, by `patch`);
+    ``cache`` is set for one forward call."""
 
     adapter: Adapter
     config: KVarNConfig
+    backend: Backend
     fallback: str  # "sdpa" or "eager": how full-precision attention runs (prefill, unquantized layers)
     cache: Any = field(default=None, repr=False)
 
@@ -41,6 +42,11 @@ class AttentionBinding:
             return None
         layer = layers[idx]
         return layer if getattr(layer, "is_kvarn", False) else None
+
+
+def find_binding(model: nn.Module) -> AttentionBinding | None:
+    """The binding `kvarn_mla.patch` left on the model's attention modules, or None if it is not patched."""
+    return next((m.__dict__[BINDING_ATTR] for m in model.modules() if BINDING_ATTR in m.__dict__), None)
 
 
 class Adapter:
@@ -66,8 +72,8 @@ class Adapter:
         """Attention over the tensors the model passed, as the unpatched model computes it: ``[B, S, H, Dv]``."""
         raise NotImplementedError
 
-    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
-        """Attention of ``query [B, H, S, D]`` over the layer's whole store (`attend`): ``[B, S, H, Dv]``."""
+    def quantized(self, module, query, layer, mask, scaling: float, backend: Backend) -> torch.Tensor:
+        """Attention of ``query [B, H, S, D]`` over the layer's whole store (``backend.attend``): ``[B, S, H, Dv]``."""
         raise NotImplementedError
 
 
@@ -102,46 +108,6 @@ def token_validity(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None
     if mask is None:
         return None
     return mask.any(dim=-2)[:, 0].expand(batch, -1)
-
-
-def padding_start(mask: torch.Tensor | None, q_len: int, kv_len: int) -> tuple[torch.Tensor | None, bool]:
-    """Express a ``[B, 1, S, T]`` bool mask as left padding + causal: ``(kv_start [B] or None, representable)``."""
-    if mask is None:
-        return None, True
-    batch = mask.shape[0]
-    visible = mask[:, 0, -1, :]  # the last query sees every non-padding key
-    first = visible.int().argmax(-1)
-    start = torch.where(visible.any(-1), first, torch.full_like(first, kv_len))
-    expected = attention_mask(q_len, kv_len, start, batch, mask.device)
-    if not torch.equal(mask.expand(batch, 1, q_len, kv_len), expected):
-        return None, False
-    return (start if bool(start.any()) else None), True
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def attend(q, keys, values, scaling: float, mask, q_len: int, backend: str) -> torch.Tensor:
-    """Attention of query rows ``q [B, Hkv, M, D]`` over a layer's streams on the chosen backend: ``[B, Hkv, M, Dv]``.
-
-    The Triton kernel covers left padding + causal masks over quantized stores; a mask it cannot express (the DSA
-    indexer's top-k selection, custom 4D masks) or an unquantized key stream runs on the torch path, with a warning.
-    """
-    if backend == "triton":
-        from ..kernels.decode import kernel_supports, tiled_attention
-
-        kv_start, representable = padding_start(mask, q_len, keys[0].length)
-        if representable and kernel_supports(keys, values):
-            return tiled_attention(q, keys, values, scaling, q_len=q_len, kv_start=kv_start)
-        reason = "this attention mask (e.g. DSA top-k)" if not representable else "these stream bit widths"
-        _warn_once(f"kvarn: the fused Triton kernel does not cover {reason}; this attention runs on the torch path")
-    return tiled_attention_reference(q, keys, values, scaling, q_len=q_len, mask=mask)
 
 
 # ---- full-precision attention ----------------------------------------------------------------------------------------
@@ -200,7 +166,6 @@ def kvarn_attention(
             dropout=dropout, scaling=scaling, **kwargs,
         )
     else:
-        backend = select_backend(binding.config.backend, query.device)
         mask = select_topk(mask, indices, layer.length)
-        out = binding.adapter.quantized(module, query, layer, mask, scaling, backend)
+        out = binding.adapter.quantized(module, query, layer, mask, scaling, binding.backend)
     return out, None

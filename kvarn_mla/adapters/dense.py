@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends import Backend
 from ..config import KVarNConfig
-from ..quant.store import StreamSpec
-from .base import Adapter, attend, fallback_attention
+from ..store import StreamSpec
+from .base import Adapter, fallback_attention
 
 
 def head_dim(text_config) -> int:
@@ -22,8 +23,8 @@ class DenseAdapter(Adapter):
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         dim = head_dim(text_config)
         return (
-            StreamSpec("key", kv_heads, dim, config.key_bits, "channel"),
-            StreamSpec("value", kv_heads, dim, config.value_bits, "token"),
+            StreamSpec("key", kv_heads, dim, config.scheme("key")),
+            StreamSpec("value", kv_heads, dim, config.scheme("value")),
         )
 
     def is_attention(self, module: nn.Module) -> bool:
@@ -32,11 +33,11 @@ class DenseAdapter(Adapter):
     def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 
-    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
-        keys, values = layer.streams
+    def quantized(self, module, query, layer, mask, scaling: float, backend: Backend) -> torch.Tensor:
+        keys, values = (stream.view() for stream in layer.streams[:2])
         batch, q_heads, q_len, dim = query.shape
-        kv_heads = keys.spec.num_heads
+        kv_heads = layer.specs[0].num_heads
         # Query heads [i*group, (i+1)*group) share kv head i (as in repeat_kv): rows ordered (head, query).
         q = query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim)
-        out = attend(q, [keys], values, scaling, mask, q_len, backend)
+        out = backend.attend(q, [keys], values, scaling, mask, q_len)
         return out.view(batch, q_heads, q_len, -1).transpose(1, 2).to(query.dtype)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends import Backend
 from ..config import KVarNConfig
-from ..quant.store import StreamSpec
-from .base import Adapter, attend, fallback_attention
+from ..store import StreamSpec
+from .base import Adapter, fallback_attention
 
 
 def _keep_latents(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,8 +26,8 @@ class MLAAdapter(Adapter):
 
     def stream_specs(self, text_config, config: KVarNConfig) -> tuple[StreamSpec, StreamSpec]:
         return (
-            StreamSpec("latent", 1, text_config.kv_lora_rank, config.latent_bits, "channel"),
-            StreamSpec("rope", 1, text_config.qk_rope_head_dim, config.rope_bits, "channel"),
+            StreamSpec("latent", 1, text_config.kv_lora_rank, config.scheme("latent")),
+            StreamSpec("rope", 1, text_config.qk_rope_head_dim, config.scheme("rope")),
         )
 
     def is_attention(self, module: nn.Module) -> bool:
@@ -42,10 +43,10 @@ class MLAAdapter(Adapter):
         key, value = type(module).expand_kv(module, key, value)  # the model's own expansion, as unpatched
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 
-    def quantized(self, module, query, layer, mask, scaling: float, backend: str) -> torch.Tensor:
-        latent, rope = layer.streams
+    def quantized(self, module, query, layer, mask, scaling: float, backend: Backend) -> torch.Tensor:
+        latent, rope = (stream.view() for stream in layer.streams[:2])
         batch, heads, q_len, _ = query.shape
-        rank, rope_dim = latent.spec.dim, rope.spec.dim
+        rank, rope_dim = latent.dim, rope.dim
         nope_dim = query.shape[-1] - rope_dim
         # The absorbed projections run in the weights' dtype, as the model's own kv_b_proj does.
         weight = module.kv_b_proj.weight.view(heads, -1, rank)
@@ -54,5 +55,5 @@ class MLAAdapter(Adapter):
         q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope.to(weight.dtype), w_uk)
         # MQA over [c_kv | k_pe]: all heads are query rows of the single latent "kv head", ordered (head, query).
         q = torch.cat([q_lat.float(), q_pe.float()], -1).reshape(batch, 1, heads * q_len, rank + rope_dim)
-        o_lat = attend(q, [latent, rope], None, scaling, mask, q_len, backend).view(batch, heads, q_len, rank)
+        o_lat = backend.attend(q, [latent, rope], None, scaling, mask, q_len).view(batch, heads, q_len, rank)
         return torch.einsum("bhsr,hvr->bshv", o_lat.to(weight.dtype), w_uv).to(query.dtype)

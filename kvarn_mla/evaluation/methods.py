@@ -5,7 +5,8 @@ A method is named by a string:
 * ``"bf16"`` — the unpatched model and its ``DynamicCache`` (the reference; any model dtype);
 * a KVarN preset, optionally with field overrides: ``"k4v2"``, ``"kivi-k2v2"``, ``"k4v2+latent_bits=2+rope_bits=8"``;
 * a quantizer at one bit width for every quantized stream (keys, values, latent; the RoPE key stays 16-bit):
-  ``"kvarn-3"``, ``"kivi-2"`` (no rotation, no normalization), ``"rot-4"`` (rotation only);
+  ``"kvarn-3"``, ``"kivi-2"`` (no rotation, no normalization), ``"rot-4"`` (rotation only), ``"kvarnvn-2"`` (keys
+  and the MLA latent rotation-only, values KVarN);
 * transformers' own quantized caches on the unpatched model: ``"hf-quanto-2"``, ``"hf-quanto-4"``, ``"hf-hqq-2"``,
   ``"hf-hqq-4"`` (need optimum-quanto / hqq) and ``"hf-fp8"``.
 """
@@ -19,12 +20,12 @@ from dataclasses import dataclass, field
 from transformers import DynamicCache
 from transformers.cache_utils import QuantizedCache
 
-from ..cache import KVarNCache, expected_nbytes
-from ..config import PRESETS, KVarNConfig, field_names, resolve_config
+from ..cache import KVarNCache
+from ..plan import expected_nbytes
+from ..config import PRESETS, QUANTIZERS, UNQUANTIZED, KVarNConfig, field_names, resolve_config
 from ..patch import patch, unpatch
 
 REFERENCE = "bf16"
-UNIFORM = {"kvarn": {}, "kivi": dict(hadamard=False, varnorm_iters=0), "rot": dict(hadamard=True, varnorm_iters=0)}
 HF_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4), "fp8": (None,)}
 
 
@@ -81,11 +82,10 @@ class Method:
         """
         if self.kind == "kvarn":
             return expected_nbytes(model_config, self.config, tokens) / tokens
-        unquantized = KVarNConfig(key_bits=16, value_bits=16, latent_bits=16, rope_bits=16)
         if self.kind == "reference":
-            return expected_nbytes(model_config, unquantized, tokens) / tokens
+            return expected_nbytes(model_config, UNQUANTIZED, tokens) / tokens
         if self.backend == "fp8":
-            return expected_nbytes(model_config, unquantized, tokens) / tokens / 2
+            return expected_nbytes(model_config, UNQUANTIZED, tokens) / tokens / 2
         return None
 
 
@@ -110,13 +110,14 @@ def parse_method(name: str) -> Method:
         return Method(name, "hf", backend=backend, nbits=nbits, cache_kwargs=kwargs)
     preset, *changes = name.split("+")
     family, _, bits = preset.partition("-")
-    if family in UNIFORM and bits.isdigit():
-        base = KVarNConfig(key_bits=int(bits), value_bits=int(bits), latent_bits=int(bits), **UNIFORM[family])
+    if family in QUANTIZERS and bits.isdigit():
+        base = KVarNConfig(key_bits=int(bits), value_bits=int(bits), latent_bits=int(bits), **QUANTIZERS[family])
         return Method(name, "kvarn", config=_with_changes(base, changes, name))
     if preset not in PRESETS:
         raise ValueError(f"unknown method {name!r}: use {REFERENCE!r}, a preset {sorted(PRESETS)} (optionally "
-                         f"'+field=value' with fields {field_names()}), kvarn-B / kivi-B / rot-B with B in "
-                         "(2, 3, 4, 8), or hf-quanto-2/4, hf-hqq-2/4, hf-fp8")
+                         f"'+field=value' with fields {field_names()}), "
+                         f"{' / '.join(f'{q}-B' for q in QUANTIZERS)} with B in (2, 3, 4, 8), or hf-quanto-2/4, "
+                         "hf-hqq-2/4, hf-fp8")
     return Method(name, "kvarn", config=_with_changes(resolve_config(preset), changes, name))
 
 
@@ -126,7 +127,8 @@ def _with_changes(config: KVarNConfig, changes: list[str], name: str) -> KVarNCo
         key, _, value = change.partition("=")
         if key not in field_names() or not value:
             raise ValueError(f"{name!r}: '{change}' is not field=value with a field of {field_names()}")
-        overrides[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+        overrides[key] = {"True": True, "False": False, "None": None}.get(
+            value, int(value) if value.lstrip("-").isdigit() else value)
     return config.replace(**overrides) if overrides else config
 
 

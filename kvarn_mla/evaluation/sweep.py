@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import QUANTIZERS
 from .methods import parse_methods
 from .runner import load_model, run
 from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text
@@ -32,8 +33,9 @@ REASONING_TOKENS = 1024  # the reasoning rows the reference models were trained 
 
 
 def quantizers(bits=BITS) -> list[str]:
-    """KVarN, KIVI-style and rotation-only at each bit width."""
-    return [f"{family}-{b}" for b in bits for family in ("kvarn", "kivi", "rot")]
+    """Every quantizer of the method grammar (KVarN, KIVI-style, rotation-only, keys rotation-only + values KVarN)
+    at each bit width."""
+    return [f"{family}-{b}" for b in bits for family in QUANTIZERS]
 
 
 def mla_grid(bits=BITS) -> list[str]:

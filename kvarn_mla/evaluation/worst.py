@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..adapters import adapter_for
+from ..adapters import layer_specs
 from ..quant.fake import fake_quantize
 from .accumulation import kl_divergence
 from .methods import Method
@@ -45,9 +45,7 @@ def worst_vectors(model, ids: torch.Tensor, method: Method, context: int, fracti
     if method.kind != "kvarn":
         raise ValueError(f"worst-vectors needs a KVarN method (it re-quantizes the cache itself), got {method.name!r}")
     config = method.config
-    specs = adapter_for(model.config).stream_specs(model.config.get_text_config(decoder=True), config)
-    tile = dict(tile_size=config.tile_size, sink_tokens=config.sink_tokens, varnorm_iters=config.varnorm_iters,
-                hadamard=config.hadamard)
+    specs = layer_specs(model.config, config)
     reference = DynamicCache(config=model.config)
     model(ids[:, :context], cache=reference, use_cache=True)
     query = ids[:, context:]
@@ -58,8 +56,7 @@ def worst_vectors(model, ids: torch.Tensor, method: Method, context: int, fracti
         if layer.keys is None or layer.keys.shape[2] != context:  # an unquantized (sliding) layer
             quantized.append(None)
             continue
-        pair = tuple(x if s.bits >= 16 else fake_quantize(x, s.bits, s.axis, **tile)
-                     for x, s in zip((layer.keys, layer.values), specs))
+        pair = tuple(fake_quantize(x, s.scheme) for x, s in zip((layer.keys, layer.values), specs))
         quantized.append(pair)
         for exact, restored in zip((layer.keys, layer.values), pair):
             errors.append((restored - exact).float().square().sum(-1))  # [B, H, T]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -11,35 +12,20 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def check_triton_device(*tensors: torch.Tensor) -> None:
+def check_triton_device(device: torch.device) -> None:
     """Triton kernels run on CUDA tensors, or anywhere under the interpreter (``TRITON_INTERPRET=1``)."""
-    for t in tensors:
-        if t.device.type != "cuda" and not interpreter_enabled():
-            raise RuntimeError(
-                f"the Triton kernels need CUDA tensors (got device={t.device}); on CPU set TRITON_INTERPRET=1 "
-                "before importing kvarn_mla.kernels to run them in Triton's interpreter"
-            )
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"the Triton kernels need CUDA tensors (got device={device}); on CPU set TRITON_INTERPRET=1 "
+            "before importing kvarn_mla's kernels to run them in Triton's interpreter"
+        )
 
 
-def select_backend(requested: str, device: torch.device) -> str:
-    """``"torch"`` or ``"triton"`` for tensors on ``device``. ``"auto"`` picks Triton on CUDA and torch elsewhere;
-    an explicit choice is honoured or refused, never switched."""
-    if requested == "torch":
-        return "torch"
-    if requested == "triton":
-        check_triton_device(torch.empty(0, device=device))
-        return "triton"
-    if requested != "auto":
-        raise ValueError(f"backend must be one of ('auto', 'torch', 'triton'), got {requested!r}")
-    return "triton" if device.type == "cuda" else "torch"
+_warned: set[str] = set()
 
 
-def quantizer(backend: str):
-    """The tile quantizer of a backend: the store kernel, or its torch reference (same signature)."""
-    if backend == "triton":
-        from .store import store_tiles
-
-        return store_tiles
-    from ..quant.tile import store_tiles_reference
-
-    return store_tiles_reference
+def warn_once(message: str) -> None:
+    """A `UserWarning` the first time ``message`` is seen in this process."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.attention import StreamView, padding_start, tiled_attention_reference
 from ..quant.hadamard import rotate
-from ..quant.store import DenseStream, TiledStream
-from .common import check_triton_device
+from .common import check_triton_device, warn_once
 
-Stream = TiledStream | DenseStream
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked entries are zeroed explicitly, so no inf - inf NaNs
 
 
@@ -142,10 +141,7 @@ def _decode_kernel(
 
     if split == 0:  # the sink, full precision
         k1 = s1_ptr + b * s1_sb + h * s1_sh
-        if SEG2 == 2:
-            k2 = s2_ptr + b * s2_sb + h * s2_sh
-        else:
-            k2 = s2_ptr + b * s2_sb + h * s2_sh  # full-precision RoPE key, from position 0
+        k2 = s2_ptr + b * s2_sb + h * s2_sh  # a tiled segment's sink, or a full-precision one from position 0
         if VALUE_IS_SEG1:
             v = k1
         else:
@@ -239,30 +235,36 @@ def _bh(t: torch.Tensor | None, device) -> tuple[torch.Tensor, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-def _tiled_args(stream: TiledStream, device) -> list:
-    codes, scale, zero, gamma = stream.tiles.parts() if stream.num_tiles else (None,) * 4
+def _tiled_args(view: StreamView, device) -> list:
+    codes, scale, zero, gamma = view.tiles.parts() if view.num_tiles else (None,) * 4
     scale_t, a_sb, a_sh = _bh(scale, device)
     zero_t = zero if zero is not None and zero.numel() else scale_t
-    return [*_bh(stream.sink, device), *_bh(stream.tail, device), *_bh(codes, device),
+    return [*_bh(view.sink, device), *_bh(view.tail, device), *_bh(codes, device),
             scale_t, zero_t, a_sb, a_sh, *_bh(gamma, device)]
 
 
-def kernel_supports(keys: Sequence[Stream], values: Stream | None) -> bool:
+def _absent(device) -> list:
+    """The arguments of a segment the kernel does not read."""
+    return [*_empty(device)] * 3 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)]
+
+
+def kernel_supports(keys: Sequence[StreamView], values: StreamView | None) -> bool:
     """Whether `tiled_attention` covers this combination of streams."""
-    if not 1 <= len(keys) <= 2 or not isinstance(keys[0], TiledStream) or keys[0].spec.axis != "channel":
+    first = keys[0].scheme
+    if not 1 <= len(keys) <= 2 or not first.quantized or first.axis != "channel":
         return False
-    if len(keys) == 2 and keys[1].spec.axis != "channel":
+    if len(keys) == 2 and keys[1].scheme.axis != "channel":
         return False
     if values is None:
         return True
-    return isinstance(values, TiledStream) and values.spec.axis == "token" and len(keys) == 1 \
-        and values.hadamard == keys[0].hadamard and values.sink_length == keys[0].sink_length
+    return values.scheme.quantized and values.scheme.axis == "token" and len(keys) == 1 \
+        and values.scheme.hadamard == first.hadamard and values.sink_length == keys[0].sink_length
 
 
 def tiled_attention(
     q: torch.Tensor,
-    keys: Sequence[Stream],
-    values: Stream | None,
+    keys: Sequence[StreamView],
+    values: StreamView | None,
     scaling: float,
     *,
     q_len: int = 1,
@@ -288,22 +290,22 @@ def tiled_attention(
             "tiled_attention needs a quantized channel-axis first key stream, an optional second key stream, and "
             "a quantized token-axis value stream (or none: the first key is the value)"
         )
-    check_triton_device(q)
+    check_triton_device(q.device)
     seg1 = keys[0]
     seg2 = keys[1] if len(keys) == 2 else None
     batch, kv_heads, rows, dq = q.shape
-    d1 = seg1.spec.dim
-    d2 = seg2.spec.dim if seg2 is not None else 0
+    d1 = seg1.dim
+    d2 = seg2.dim if seg2 is not None else 0
     if dq != d1 + d2:
         raise ValueError(f"query width {dq} != key widths {d1} + {d2}")
     value_is_seg1 = values is None
     value = seg1 if value_is_seg1 else values
-    dv = value.spec.dim
+    dv = value.dim
     device = q.device
     q = q.float().contiguous()
     # Queries in the tiles' basis: each quantized, rotated segment gets its own Hadamard.
-    qt = torch.cat([rotate(q[..., :d1]) if seg1.hadamard else q[..., :d1]]
-                   + ([] if seg2 is None else [rotate(q[..., d1:]) if isinstance(seg2, TiledStream) and seg2.hadamard
+    qt = torch.cat([rotate(q[..., :d1]) if seg1.scheme.hadamard else q[..., :d1]]
+                   + ([] if seg2 is None else [rotate(q[..., d1:]) if seg2.scheme.quantized and seg2.scheme.hadamard
                                                else q[..., d1:]]), -1)
     queries = torch.stack([q, qt]).contiguous()
     num_tiles = seg1.num_tiles
@@ -321,17 +323,17 @@ def tiled_attention(
     start = kv_start.to(device=device, dtype=torch.int32).contiguous() if kv_start is not None else _empty(device)[0]
 
     if seg2 is None:
-        seg2_args, seg2_kind, bits2, p2 = [*_empty(device)] * 3 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)], 0, 2, 1
-    elif isinstance(seg2, DenseStream):
-        seg2_args = [*_bh(seg2.full(), device)] + [*_empty(device)] * 2 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)]
+        seg2_args, seg2_kind, bits2, p2 = _absent(device), 0, 2, 1
+    elif not seg2.scheme.quantized:  # full precision: every token in the view's tail, from position 0
+        seg2_args = [*_bh(seg2.tail, device)] + _absent(device)[3:]
         seg2_kind, bits2, p2 = 1, 2, 1
     else:
-        seg2_args, seg2_kind, bits2 = _tiled_args(seg2, device), 2, seg2.spec.bits
+        seg2_args, seg2_kind, bits2 = _tiled_args(seg2, device), 2, seg2.scheme.bits
         p2 = seg2.tiles.codes.shape[-1] if seg2.num_tiles else 1
     if value_is_seg1:
-        value_args, bitsv, pv = [*_empty(device)] * 3 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)], 2, 1
+        value_args, bitsv, pv = _absent(device), 2, 1
     else:
-        value_args, bitsv = _tiled_args(value, device), value.spec.bits
+        value_args, bitsv = _tiled_args(value, device), value.scheme.bits
         pv = value.tiles.codes.shape[-1] if value.num_tiles else 1
     p1 = seg1.tiles.codes.shape[-1] if num_tiles else 1
     dot = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(seg1.dtype, tl.float32)
@@ -343,14 +345,26 @@ def tiled_attention(
         *_tiled_args(seg1, device), *seg2_args, *value_args,
         partial, lse,
         scaling, seg1.sink_length, num_tiles, seg1.tail_length, tiles_per_split, q_len,
-        HKV=kv_heads, M=rows, D1=d1, D2=d2, DV=dv, G=seg1.tile_size, P1=p1, P2=p2, PV=pv,
-        BITS1=seg1.spec.bits, BITS2=bits2, BITSV=bitsv, SEG2=seg2_kind, VALUE_IS_SEG1=value_is_seg1,
+        HKV=kv_heads, M=rows, D1=d1, D2=d2, DV=dv, G=seg1.scheme.tile_size, P1=p1, P2=p2, PV=pv,
+        BITS1=seg1.scheme.bits, BITS2=bits2, BITSV=bitsv, SEG2=seg2_kind, VALUE_IS_SEG1=value_is_seg1,
         HAS_START=kv_start is not None, BLOCK_M=block_m, BLOCK_N=32,
         BLOCK_D1=max(16, triton.next_power_of_2(d1)), BLOCK_D2=max(16, triton.next_power_of_2(max(d2, 1))),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), DOT=dot,
         num_warps=8 if d1 >= 256 else 4,
     )
-    return merge_splits(partial, lse, value.hadamard)
+    return merge_splits(partial, lse, value.scheme.hadamard)
+
+
+def attend(q, keys, values, scaling: float, mask: torch.Tensor | None, q_len: int) -> torch.Tensor:
+    """The Triton backend's attention (see `kvarn_mla.backends.Backend`): the fused kernel for left padding +
+    causal masks over a quantized first key stream; a mask it cannot express (the DSA indexer's top-k, custom 4D
+    masks) or an unquantized first key runs on the torch path, with a warning."""
+    kv_start, representable = padding_start(mask, q_len, keys[0].length)
+    if representable and kernel_supports(keys, values):
+        return tiled_attention(q, keys, values, scaling, q_len=q_len, kv_start=kv_start)
+    reason = "this attention mask (e.g. DSA top-k)" if not representable else "these stream bit widths"
+    warn_once(f"kvarn: the fused Triton kernel does not cover {reason}; this attention runs on the torch path")
+    return tiled_attention_reference(q, keys, values, scaling, q_len=q_len, mask=mask)
 
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, rotated_tiles: bool) -> torch.Tensor:

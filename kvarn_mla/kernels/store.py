@@ -17,14 +17,20 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..quant.scheme import TileScheme
 from ..quant.hadamard import hadamard_block_size
-from ..quant.rtn import packed_width
-from ..quant.tile import AXES, QuantizedTile
-from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, STD_MAX, STD_MIN, TIE_SLACK
+from ..quant.rtn import STEP_MIN, packed_width
+from ..quant.tile import QuantizedTile
+from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, SPREAD_FLOOR, STD_MAX, STD_MIN, TIE_SLACK
 from .common import check_triton_device, interpreter_enabled
 
 _CHUNK_ELEMENTS = 4096  # float64 elements per chunk held in registers
+# The reference's constants, as compile-time constants of the kernel (never re-typed here).
 _TIE = tl.constexpr(TIE_SLACK)
+_STD_MIN, _STD_MAX = tl.constexpr(STD_MIN), tl.constexpr(STD_MAX)
+_LOG_MIN, _LOG_MAX = tl.constexpr(LOG_SCALE_MIN), tl.constexpr(LOG_SCALE_MAX)
+_STEP_MIN = tl.constexpr(STEP_MIN)
+_SPREAD_FLOOR = tl.constexpr(SPREAD_FLOOR)
 # float64 exp/log: libdevice's __nv_exp/__nv_log when compiled for CUDA (tl.exp/tl.log lower to float32
 # approximations there), numpy's under the interpreter, which has no libdevice.
 _LIBDEVICE = tl.constexpr(not interpreter_enabled())
@@ -95,7 +101,7 @@ def _stats_pass(
     ch_hi = tl.max(tl.where(d_mask, ch_std, 0.0), axis=0)
     ch_lo = tl.min(tl.where(d_mask, ch_std, float("inf")), axis=0)
     tok_lo = tl.where(count > 0, tok_lo, 1.0)
-    spread = ch_hi / tl.maximum(ch_lo, 1e-8) + tok_hi / tl.maximum(tok_lo, 1e-8)
+    spread = ch_hi / tl.maximum(ch_lo, _SPREAD_FLOOR) + tok_hi / tl.maximum(tok_lo, _SPREAD_FLOOR)
     return ch_std, spread
 
 
@@ -104,18 +110,18 @@ def _update_tokens(tok_ptr, valid_ptr, offs_t, G: tl.constexpr, BLOCK_T: tl.cons
     # token_log <- clip(token_log + log(clip(token_std)), LOG_MIN, LOG_MAX), padding tokens unchanged
     for t0 in range(0, G, BLOCK_T):
         rows = t0 + offs_t
-        std = tl.minimum(tl.maximum(tl.load(tok_ptr + 2 * G + rows), 1e-3), 1e3)
+        std = tl.minimum(tl.maximum(tl.load(tok_ptr + 2 * G + rows), _STD_MIN), _STD_MAX)
         step = _log64(std)
         if HAS_MASK:
             step = step * tl.load(valid_ptr + rows).to(tl.float64)
-        log = tl.minimum(tl.maximum(tl.load(tok_ptr + rows) + step, -0.3), 10.0)
+        log = tl.minimum(tl.maximum(tl.load(tok_ptr + rows) + step, _LOG_MIN), _LOG_MAX)
         tl.store(tok_ptr + rows, log)
 
 
 @triton.jit
 def _update_channels(ch_log, ch_std, d_mask):
-    step = _log64(tl.minimum(tl.maximum(ch_std, 1e-3), 1e3))
-    return tl.where(d_mask, tl.minimum(tl.maximum(ch_log + step, -0.3), 10.0), 0.0)
+    step = _log64(tl.minimum(tl.maximum(ch_std, _STD_MIN), _STD_MAX))
+    return tl.where(d_mask, tl.minimum(tl.maximum(ch_log + step, _LOG_MIN), _LOG_MAX), 0.0)
 
 
 @triton.jit
@@ -210,7 +216,7 @@ def _store_kernel(
                 hi = tl.maximum(hi, tl.max(z, axis=0))
         lo = tl.where(any_valid > 0, lo, 0.0)
         hi = tl.where(any_valid > 0, hi, 0.0)
-        step = tl.maximum((hi - lo) / QMAX, 1e-10)
+        step = tl.maximum((hi - lo) / QMAX, _STEP_MIN)
         row_scale = _exp64(best_ch)
         tl.store(scale_ptr + offs_d, (row_scale * step).to(tl.float32).to(tl.float16), mask=d_mask)
         tl.store(zero_ptr + offs_d, (row_scale * lo).to(tl.float32).to(tl.float16), mask=d_mask)
@@ -228,7 +234,7 @@ def _store_kernel(
         else:  # rows are tokens: min/max over channels, within the chunk
             t_lo = tl.min(tl.where(d_mask[None, :], z, float("inf")), axis=1)
             t_hi = tl.max(tl.where(d_mask[None, :], z, float("-inf")), axis=1)
-            t_step = tl.maximum((t_hi - t_lo) / QMAX, 1e-10)
+            t_step = tl.maximum((t_hi - t_lo) / QMAX, _STEP_MIN)
             v = (z - t_lo[:, None]) / t_step[:, None]
             row_scale = _exp64(tok_log)
             tl.store(scale_ptr + rows, (row_scale * t_step).to(tl.float32).to(tl.float16))
@@ -252,43 +258,29 @@ def _store_kernel(
             tl.store(codes_ptr + rows[:, None] * PACKED + cols[None, :], byte, mask=cols[None, :] < PACKED)
 
 
-def store_tiles(
-    x: torch.Tensor,
-    bits: int,
-    axis: str,
-    *,
-    varnorm_iters: int = 8,
-    hadamard: bool = True,
-    token_valid: torch.Tensor | None = None,
-) -> QuantizedTile:
+def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
     """Quantize tiles ``x [N, G, D]`` in one launch; same contract as `kvarn_mla.quant.store_tiles_reference`.
 
     Args:
-        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous).
-        bits: 2, 3, 4 or 8.
-        axis: ``"channel"`` (keys, MLA streams) or ``"token"`` (values).
-        varnorm_iters: Normalization iterations (0 = off).
-        hadamard: Rotate channels first.
+        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous), ``G == scheme.tile_size``.
+        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
         token_valid: Optional ``[N, G]`` bool, False for padding tokens.
 
     Returns:
         `QuantizedTile` with codes ``[N, G, packed_width(D, bits)]`` uint8 and float16 metadata.
     """
-    if axis not in AXES:
-        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"bits must be one of (2, 3, 4, 8), got {bits}")
-    if x.dim() != 3 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be [N, G, D] fp16/bf16/fp32, got shape={tuple(x.shape)} dtype={x.dtype}")
-    check_triton_device(x)
+    if x.dim() != 3 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.shape[1] != scheme.tile_size:
+        raise ValueError(f"x must be [N, {scheme.tile_size}, D] fp16/bf16/fp32, got shape={tuple(x.shape)} "
+                         f"dtype={x.dtype}")
+    if not scheme.quantized:
+        raise ValueError(f"store_tiles quantizes: scheme.bits must be one of (2, 3, 4, 8), got {scheme.bits}")
+    check_triton_device(x.device)
     num, size, dim = x.shape
-    if size & (size - 1) or size < 8:
-        raise ValueError(f"tile size must be a power of two >= 8, got {size}")
     x = x.contiguous()
     block_d = max(8, triton.next_power_of_2(dim))
     block_t = max(1, min(size, _CHUNK_ELEMENTS // block_d))
-    packed = packed_width(dim, bits)
-    rows, cols = (dim, size) if axis == "channel" else (size, dim)
+    packed = packed_width(dim, scheme.bits)
+    rows, cols = scheme.rows_cols(dim)
     device = x.device
     codes = torch.empty(num, size, packed, dtype=torch.uint8, device=device)
     scale = torch.empty(num, rows, dtype=torch.float16, device=device)
@@ -300,16 +292,16 @@ def store_tiles(
     tok = torch.empty(num, 4, size, dtype=torch.float64, device=device)
     valid = (torch.ones(num, size, dtype=torch.int8, device=device) if token_valid is None
              else token_valid.to(device=device, dtype=torch.int8).contiguous())
-    had_block = hadamard_block_size(dim) if hadamard else 1
+    had_block = hadamard_block_size(dim) if scheme.hadamard else 1
     _store_kernel[(num,)](
         x, valid, rot, tok, codes, scale, zero, gamma,
         1.0 / math.sqrt(had_block),
-        G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=bits, PACKED=packed,
-        AXIS_CHANNEL=axis == "channel", ITERS=varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
+        G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=scheme.bits, PACKED=packed,
+        AXIS_CHANNEL=scheme.axis == "channel", ITERS=scheme.varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
         HAS_MASK=token_valid is not None,
         num_warps=8,
     )
     return QuantizedTile(codes, scale, zero, gamma)
 
 
-__all__ = ["store_tiles", "LOG_SCALE_MIN", "LOG_SCALE_MAX", "STD_MIN", "STD_MAX"]
+__all__ = ["store_tiles"]

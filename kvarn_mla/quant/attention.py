@@ -1,20 +1,129 @@
-"""Attention over a layer's streams: the torch path, and the reference of the fused Triton decode kernel.
+"""Attention over a layer's stored streams: the torch path, and the reference of the fused Triton decode kernel.
 
 Every family reduces to grouped-query attention of ``M`` query rows per kv head over one store: the key is one or
 two streams side by side (dense K; or the MLA latent and RoPE key), the value is its own stream (dense V) or the
-first key stream (the MLA latent).
+first key stream (the MLA latent). A stream is read through a `StreamView`: plain tensors, no runtime state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .scheme import Axis, TileScheme
+from .folded import tile_scores, tile_values
 from .hadamard import rotate
-from .store import DenseStream, TiledStream
+from .rtn import unpack
+from .tile import QuantizedTile
 
-Stream = TiledStream | DenseStream
+BLOCK_ELEMENTS = 1 << 22  # elements of unpacked codes and products per block of a read (bounds the transient)
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """One stream's stored tensors, as attention reads them: positions ``sink | tiles | tail``.
+
+    Attributes:
+        scheme: How the tiles were quantized. A 16-bit stream has no sink and no tiles: every token is in ``tail``.
+        dim: D, channels per head.
+        dtype: The model dtype of ``sink`` and ``tail``.
+        sink: ``[B, H, s, D]`` full-precision leading tokens, or None.
+        tiles: Quantized tiles with leading shape ``[B, H, N]`` (fp16 metadata, in the Hadamard basis when
+            ``scheme.hadamard``), or None.
+        tail: ``[B, H, t, D]`` full-precision tokens after the tiles, or None.
+    """
+
+    scheme: TileScheme
+    dim: int
+    dtype: torch.dtype
+    sink: torch.Tensor | None
+    tiles: QuantizedTile | None
+    tail: torch.Tensor | None
+
+    @property
+    def sink_length(self) -> int:
+        return 0 if self.sink is None else self.sink.shape[2]
+
+    @property
+    def num_tiles(self) -> int:
+        return 0 if self.tiles is None else self.tiles.codes.shape[2]
+
+    @property
+    def tail_start(self) -> int:
+        return self.sink_length + self.num_tiles * self.scheme.tile_size
+
+    @property
+    def tail_length(self) -> int:
+        return 0 if self.tail is None else self.tail.shape[2]
+
+    @property
+    def length(self) -> int:
+        return self.tail_start + self.tail_length
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of the products with codes and full-precision tokens: bfloat16 stays bfloat16 (fast, and what
+    the model itself computes in), everything else runs in float32. Softmax and accumulation are float32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+@dataclass
+class Block:
+    """A run of one stream's tokens, read once for both attention products: full-precision ``tokens
+    [B, H, n, D]``, or unpacked ``codes [B, H, k, G, D]`` (compute precision) with float32 ``scale``/``zero``/
+    ``gamma``; ``rotated`` tells whether it lives in the Hadamard basis."""
+
+    rotated: bool
+    tokens: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
+    axis: Axis = "channel"
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, M, D]`` float32 (in this block's basis) -> ``[B, H, M, n]`` float32."""
+        if self.tokens is not None:
+            dtype = compute_dtype(self.tokens.dtype)
+            return (q.to(dtype) @ self.tokens.to(dtype).transpose(-1, -2)).float()
+        return tile_scores(q, self.codes, self.scale, self.zero, self.gamma, self.axis)
+
+    def values(self, p: torch.Tensor) -> torch.Tensor:
+        """``p [B, H, M, n]`` float32 -> ``[B, H, M, D]`` float32 (in this block's basis)."""
+        if self.tokens is not None:
+            dtype = compute_dtype(self.tokens.dtype)
+            return (p.to(dtype) @ self.tokens.to(dtype)).float()
+        return tile_values(p, self.codes, self.scale, self.zero, self.gamma, self.axis)
+
+
+def block_ranges(view: StreamView, rows: int) -> list[tuple[int, int]]:
+    """Position ranges that split a stream for one read: the sink, runs of whole tiles (sized so an unpacked run
+    stays under `BLOCK_ELEMENTS` with ``rows`` query rows), and the tail."""
+    ranges = [(0, view.sink_length)] if view.sink_length else []
+    dim, size = view.dim, view.scheme.tile_size
+    step = max(1, BLOCK_ELEMENTS // (size * dim + rows * (dim + size)))
+    for first in range(0, view.num_tiles, step):
+        last = min(view.num_tiles, first + step)
+        ranges.append((view.sink_length + first * size, view.sink_length + last * size))
+    if view.tail_length:
+        ranges.append((view.tail_start, view.length))
+    return ranges
+
+
+def read_block(view: StreamView, start: int, end: int) -> Block:
+    """Tokens ``[start, end)`` of a stream; a range of whole tiles comes unpacked (once, for both products)."""
+    if end <= view.sink_length:
+        return Block(rotated=False, tokens=view.sink[:, :, start:end])
+    if start >= view.tail_start:
+        return Block(rotated=False, tokens=view.tail[:, :, start - view.tail_start : end - view.tail_start])
+    size = view.scheme.tile_size
+    first, last = (start - view.sink_length) // size, (end - view.sink_length) // size
+    codes, scale, zero, gamma = (t[:, :, first:last] for t in view.tiles.parts())
+    codes = unpack(codes, view.scheme.bits, view.dim).to(compute_dtype(view.dtype))
+    return Block(rotated=view.scheme.hadamard, codes=codes, scale=scale.float(), zero=zero.float(),
+                 gamma=gamma.float(), axis=view.scheme.axis)
 
 
 def attention_mask(
@@ -34,10 +143,24 @@ def attention_mask(
     return mask
 
 
+def padding_start(mask: torch.Tensor | None, q_len: int, kv_len: int) -> tuple[torch.Tensor | None, bool]:
+    """Express a ``[B, 1, S, T]`` bool mask as left padding + causal: ``(kv_start [B] or None, representable)``."""
+    if mask is None:
+        return None, True
+    batch = mask.shape[0]
+    visible = mask[:, 0, -1, :]  # the last query sees every non-padding key
+    first = visible.int().argmax(-1)
+    start = torch.where(visible.any(-1), first, torch.full_like(first, kv_len))
+    expected = attention_mask(q_len, kv_len, start, batch, mask.device)
+    if not torch.equal(mask.expand(batch, 1, q_len, kv_len), expected):
+        return None, False
+    return (start if bool(start.any()) else None), True
+
+
 def tiled_attention_reference(
     q: torch.Tensor,
-    keys: Sequence[Stream],
-    values: Stream | None,
+    keys: Sequence[StreamView],
+    values: StreamView | None,
     scaling: float,
     *,
     q_len: int = 1,
@@ -66,24 +189,23 @@ def tiled_attention_reference(
     batch, heads, rows, _ = q.shape
     q = q.float()
     queries, offset = [], 0  # per key stream: (plain query, query in the stream's tile basis)
-    for stream in keys:
-        part = q[..., offset : offset + stream.spec.dim]
-        rotated = isinstance(stream, TiledStream) and stream.hadamard
-        queries.append((part, rotate(part) if rotated else part))
-        offset += stream.spec.dim
+    for view in keys:
+        part = q[..., offset : offset + view.dim]
+        queries.append((part, rotate(part) if view.scheme.quantized and view.scheme.hadamard else part))
+        offset += view.dim
     length = keys[0].length
     if mask is None:
         mask = attention_mask(q_len, length, kv_start, batch, q.device)
-    value_stream = keys[0] if values is None else values
-    tiled = next((s for s in (*keys, value_stream) if isinstance(s, TiledStream)), None)
-    ranges = tiled.block_ranges(rows) if tiled is not None else [(0, length)]
+    value_view = keys[0] if values is None else values
+    tiled = next((v for v in (*keys, value_view) if v.scheme.quantized), None)
+    ranges = block_ranges(tiled, rows) if tiled is not None else [(0, length)]
 
     top = q.new_full((batch, heads, rows), float("-inf"))
     total = q.new_zeros(batch, heads, rows)
-    plain = q.new_zeros(batch, heads, rows, value_stream.spec.dim)
+    plain = q.new_zeros(batch, heads, rows, value_view.dim)
     in_basis = torch.zeros_like(plain)  # values of rotated tiles, rotated back once at the end
     for start, end in ranges:
-        blocks = [stream.block(start, end) for stream in keys]
+        blocks = [read_block(view, start, end) for view in keys]
         scores = sum(b.scores(rot if b.rotated else part) for b, (part, rot) in zip(blocks, queries)) * scaling
         if mask is not None:
             # The most negative float rather than -inf keeps a fully masked row (a padding query) finite,
@@ -96,7 +218,7 @@ def tiled_attention_reference(
         probs = torch.exp(scores - new_top.unsqueeze(-1))
         total = total * decay + probs.sum(-1)
         plain, in_basis = plain * decay.unsqueeze(-1), in_basis * decay.unsqueeze(-1)
-        value_block = blocks[0] if values is None else values.block(start, end)
+        value_block = blocks[0] if values is None else read_block(values, start, end)
         if value_block.rotated:
             in_basis = in_basis + value_block.values(probs)
         else:

@@ -11,28 +11,15 @@ and for a token-axis tile (per-token ``scale``/``zero``, per-channel ``gamma``):
     out_c   = gamma_c * ( sum_t (p_t * scale_t) * code[t, c] + sum_t p_t * zero_t )
 
 so per tile the scales multiply the (few) queries or probabilities once, and the inner products run over the raw
-integer codes. These are the torch references of the fused Triton decode kernel. Tiles are processed in chunks,
-so the transient memory is bounded whatever the context length.
+integer codes. These are the torch references of the fused Triton decode kernel; `kvarn_mla.quant.attention` reads a
+stream through them in blocks of tiles, so the transient memory stays bounded whatever the context length.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .rtn import unpack
-from .tile import Axis, QuantizedTile
-
-CHUNK_ELEMENTS = 1 << 22  # float32 elements of transient per chunk (16 MiB)
-
-
-def _chunks(num_tiles: int, per_tile: int):
-    step = max(1, CHUNK_ELEMENTS // max(per_tile, 1))
-    for start in range(0, num_tiles, step):
-        yield start, min(num_tiles, start + step)
-
-
-def _slice(tiles: QuantizedTile, start: int, end: int) -> tuple[torch.Tensor, ...]:
-    return tuple(t[:, :, start:end] for t in (tiles.codes, tiles.scale, tiles.zero, tiles.gamma))
+from .scheme import Axis
 
 
 def tile_scores(q: torch.Tensor, codes: torch.Tensor, scale, zero, gamma, axis: Axis) -> torch.Tensor:
@@ -67,44 +54,3 @@ def tile_values(p: torch.Tensor, codes: torch.Tensor, scale, zero, gamma, axis: 
     weighted = torch.einsum("bhmnt,bhntd->bhmnd", (p * scale.unsqueeze(2)).to(codes.dtype), codes).float()
     weighted = weighted + (p * zero.unsqueeze(2)).sum(-1, keepdim=True)
     return torch.einsum("bhmnd,bhnd->bhmd", weighted, gamma)
-
-
-def _unpacked(tiles: QuantizedTile, start: int, end: int, bits: int, dim: int):
-    packed, scale, zero, gamma = _slice(tiles, start, end)
-    return unpack(packed, bits, dim).float(), scale.float(), zero.float(), gamma.float()
-
-
-def folded_scores(q: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, dim: int) -> torch.Tensor:
-    """Dot products of queries with every token of quantized tiles, float32 throughout.
-
-    Args:
-        q: ``[B, H, M, D]`` float32 queries (M = query rows per kv head), in the tiles' (rotated) basis.
-        tiles: Tiles with leading shape ``[B, H, N]``.
-        bits, axis, dim: How the tiles were quantized, and D.
-
-    Returns:
-        ``[B, H, M, N * G]`` float32 scores, tokens in order.
-    """
-    num_tiles, tile_size = tiles.codes.shape[2], tiles.codes.shape[3]
-    parts = [tile_scores(q, *_unpacked(tiles, start, end, bits, dim), axis)
-             for start, end in _chunks(num_tiles, tile_size * dim + q.shape[2] * (dim + tile_size))]
-    return torch.cat(parts, -1) if parts else q.new_zeros(q.shape[:-1] + (0,))
-
-
-def folded_values(p: torch.Tensor, tiles: QuantizedTile, bits: int, axis: Axis, dim: int) -> torch.Tensor:
-    """Probability-weighted sum of the tokens of quantized tiles, float32 throughout.
-
-    Args:
-        p: ``[B, H, M, N * G]`` float32 attention weights for the tiles' tokens.
-        tiles: Tiles with leading shape ``[B, H, N]``.
-        bits, axis, dim: How the tiles were quantized, and D.
-
-    Returns:
-        ``[B, H, M, D]`` float32, in the tiles' (rotated) basis.
-    """
-    num_tiles, tile_size = tiles.codes.shape[2], tiles.codes.shape[3]
-    out = p.new_zeros(p.shape[:-1] + (dim,))
-    for start, end in _chunks(num_tiles, tile_size * dim + p.shape[2] * (dim + tile_size)):
-        chunk = p[..., start * tile_size : end * tile_size]
-        out += tile_values(chunk, *_unpacked(tiles, start, end, bits, dim), axis)
-    return out

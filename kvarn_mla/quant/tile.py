@@ -19,16 +19,14 @@ float64 -> float32 (-> float16 when stored).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from .scheme import TileScheme
 from .hadamard import hadamard_matrix, rotate
 from .rtn import pack, quantize_rows, unpack
 from .varnorm import variance_normalize
 
-Axis = Literal["channel", "token"]
-AXES = ("channel", "token")
 METADATA_DTYPE = torch.float16  # scale, zero and gamma as stored in the cache
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -56,57 +54,34 @@ class QuantizedTile:
         return QuantizedTile(self.codes, *(t.to(METADATA_DTYPE) for t in (self.scale, self.zero, self.gamma)))
 
 
-def check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-
-
-def quantize_tile(
-    x: torch.Tensor,
-    bits: int,
-    axis: Axis,
-    *,
-    varnorm_iters: int = 8,
-    hadamard: bool = True,
-    token_valid: torch.Tensor | None = None,
-) -> QuantizedTile:
+def quantize_tile(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
     """Quantize tiles ``x [..., G, D]`` with KVarN (float32 metadata; see `QuantizedTile`).
 
     Args:
         x: ``[..., G, D]`` tiles of any float dtype.
-        bits: 2, 3, 4 or 8.
-        axis: ``"channel"`` (keys, MLA streams) or ``"token"`` (values).
-        varnorm_iters: Variance-normalization iterations (0: off, the KIVI/rotation-only baselines).
-        hadamard: Rotate channels before normalizing.
+        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
         token_valid: Optional ``[..., G]`` bool, False for padding tokens, which are left out of every statistic.
 
     Returns:
         The quantized tiles, metadata in float32.
     """
-    check_axis(axis)
-    xr = rotate_for_quantization(x) if hadamard else x.float()
-    rows = xr.double().transpose(-1, -2) if axis == "channel" else xr.double()  # [..., R, C]
-    row_valid, col_valid = (None, token_valid) if axis == "channel" else (token_valid, None)
-    row_scale, col_scale = variance_normalize(rows, varnorm_iters, row_valid, col_valid)
+    xr = rotate_for_quantization(x) if scheme.hadamard else x.float()
+    channel = scheme.axis == "channel"
+    rows = xr.double().transpose(-1, -2) if channel else xr.double()  # [..., R, C]
+    row_valid, col_valid = (None, token_valid) if channel else (token_valid, None)
+    row_scale, col_scale = variance_normalize(rows, scheme.varnorm_iters, row_valid, col_valid)
     z = rows / (row_scale.unsqueeze(-1) * col_scale.unsqueeze(-2))
-    codes, step, lo = quantize_rows(z, bits, col_valid)
-    codes = codes.transpose(-1, -2) if axis == "channel" else codes  # token-major [..., G, D]
+    codes, step, lo = quantize_rows(z, scheme.bits, col_valid)
+    codes = codes.transpose(-1, -2) if channel else codes  # token-major [..., G, D]
     metadata = (t.float() for t in (row_scale * step, row_scale * lo, col_scale))
-    return QuantizedTile(pack(codes, bits), *metadata)
+    return QuantizedTile(pack(codes, scheme.bits), *metadata)
 
 
 def store_tiles_reference(
-    x: torch.Tensor,
-    bits: int,
-    axis: Axis,
-    *,
-    varnorm_iters: int = 8,
-    hadamard: bool = True,
-    token_valid: torch.Tensor | None = None,
+    x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None
 ) -> QuantizedTile:
-    """Tiles as the cache stores them (float16 metadata): the reference of `kvarn_mla.kernels.store_tiles`."""
-    tile = quantize_tile(x, bits, axis, varnorm_iters=varnorm_iters, hadamard=hadamard, token_valid=token_valid)
-    return tile.to_metadata_dtype()
+    """Tiles as the cache stores them (float16 metadata): the reference of `kvarn_mla.kernels.store.store_tiles`."""
+    return quantize_tile(x, scheme, token_valid).to_metadata_dtype()
 
 
 def rotate_for_quantization(x: torch.Tensor) -> torch.Tensor:
@@ -123,13 +98,12 @@ def metadata_overflow(tile: QuantizedTile) -> float | None:
     return largest if not largest <= _FP16_MAX else None
 
 
-def dequantize_tile(tile: QuantizedTile, bits: int, axis: Axis, dim: int, *, hadamard: bool = True) -> torch.Tensor:
-    """Reconstruct ``[..., G, D]`` float32 tiles, un-rotated back to the model's channel basis when ``hadamard``."""
-    check_axis(axis)
-    codes = unpack(tile.codes, bits, dim).float()  # [..., G, D]
+def dequantize_tile(tile: QuantizedTile, scheme: TileScheme, dim: int) -> torch.Tensor:
+    """Reconstruct ``[..., G, D]`` float32 tiles, un-rotated back to the model's channel basis (``scheme.hadamard``)."""
+    codes = unpack(tile.codes, scheme.bits, dim).float()  # [..., G, D]
     scale, zero, gamma = (t.float() for t in (tile.scale, tile.zero, tile.gamma))
-    if axis == "channel":
+    if scheme.axis == "channel":
         x = (codes * scale.unsqueeze(-2) + zero.unsqueeze(-2)) * gamma.unsqueeze(-1)
     else:
         x = (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)) * gamma.unsqueeze(-2)
-    return rotate(x) if hadamard else x
+    return rotate(x) if scheme.hadamard else x

@@ -16,7 +16,7 @@ STD_MIN, STD_MAX = 1e-3, 1e3  # clamp on a measured std before taking its log
 # tile's up to rounding, and rounding must not decide (the store kernel and this reference round differently).
 TIE_SLACK = 1e-9
 LOG_SCALE_MIN, LOG_SCALE_MAX = -0.3, 10.0  # clamp on the accumulated log-scales
-_TINY = 1e-8
+SPREAD_FLOOR = 1e-8  # floor on the smallest std of an imbalance ratio
 
 
 def _masked_std(y: torch.Tensor, weight: torch.Tensor | None, dim: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def _spread(std: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         hi = std.masked_fill(~valid, 0.0).amax(-1)
         lo = std.masked_fill(~valid, float("inf")).amin(-1)
         lo = torch.where(valid.any(-1), lo, torch.ones_like(lo))
-    return hi / lo.clamp(min=_TINY)
+    return hi / lo.clamp(min=SPREAD_FLOOR)
 
 
 def imbalance(

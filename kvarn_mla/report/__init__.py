@@ -23,8 +23,8 @@ FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 
 def bytes_section(out: Path) -> tuple[list[str], dict]:
     """Bytes per token and tokens per 64 GiB of cache, bundled configs × methods; table, chart, numbers."""
-    from ..adapters import adapter_for
     from ..archs import ARCHITECTURES, load_config
+    from ..plan import family_label
     from ..evaluation.methods import parse_method
 
     rows, numbers = [], {}
@@ -36,12 +36,7 @@ def bytes_section(out: Path) -> tuple[list[str], dict]:
              "configs bundled in `kvarn_mla/archs.py`.\n", header, "|---|---|" + "---|" * len(BYTES_METHODS)]
     for name in ARCHITECTURES:
         config = load_config(name)
-        family = adapter_for(config).family
-        if family == "dense":
-            text = config.get_text_config(decoder=True)
-            family = "MHA" if text.num_key_value_heads == text.num_attention_heads else "GQA"
-        else:
-            family = "MLA"
+        family = family_label(config)
         cells, numbers[name] = [], {}
         for method in BYTES_METHODS:
             per_token = parse_method(method).bytes_per_token(config, CAPACITY_CONTEXT)
@@ -188,7 +183,7 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
     gpu = results / "bench_decode_gpu.csv"
     lines.append("\n![decode speed](decode_speed.png)\n")
     lines.append(f"GPU results: `results/bench_decode_gpu.csv`.\n" if gpu.exists()
-                 else "GPU results: none yet (no GPU has been lent; `benchmarks/gpu_check.sh` is ready).\n")
+                 else "GPU results: none in `results/` (`benchmarks/gpu_check.sh` measures them on a CUDA machine).\n")
     return lines, {"rows": rows}
 
 

@@ -1,0 +1,288 @@
+"""The cache's runtime stores: growable buffers and the per-stream ``sink | tiles | tail`` layout.
+
+A cache layer holds two streams (dense: K and V; MLA: the latent ``c_kv`` and the RoPE key ``k_pe``), each storing
+``[B, H, T, D]`` tokens. This module owns appends, tile commits, crops and batch reordering; the quantization and the
+attention math are the pure reference in `kvarn_mla.quant` (or a backend's kernels), which read a stream through its
+`Stream.view`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .quant.scheme import Axis, TileScheme
+from .quant.attention import StreamView
+from .quant.tile import QuantizedTile, dequantize_tile, metadata_overflow
+
+GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What one stream of a layer holds.
+
+    Attributes:
+        name: ``"key"``, ``"value"``, ``"latent"``, ``"rope"`` or ``"indexer"``.
+        num_heads: H, kv heads of the stream (1 for the MLA streams).
+        dim: D, channels per head.
+        scheme: How it is quantized (``scheme.bits == 16``: kept in the model dtype).
+    """
+
+    name: str
+    num_heads: int
+    dim: int
+    scheme: TileScheme
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def axis(self) -> Axis:
+        return self.scheme.axis
+
+    def tile_nbytes(self) -> int:
+        """Bytes of one quantized tile of one head (see `TileScheme.tile_nbytes`)."""
+        return self.scheme.tile_nbytes(self.dim)
+
+
+class GrowableTensor:
+    """A tensor that grows along dim 2 (``[B, H, n, ...]``) into spare capacity, so appends stay amortized O(1)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        """The live entries ``[B, H, length, ...]`` (a view), or None before the first append."""
+        return None if self._buffer is None else self._buffer[:, :, : self.length]
+
+    def append(self, x: torch.Tensor) -> None:
+        needed = self.length + x.shape[2]
+        if self._buffer is None or needed > self._buffer.shape[2]:
+            capacity = max(needed, int(self.length * GROWTH) + 1)
+            buffer = x.new_empty(x.shape[:2] + (capacity,) + x.shape[3:])
+            if self.length:
+                buffer[:, :, : self.length] = self.data
+            self._buffer = buffer
+        self._buffer[:, :, self.length : needed] = x
+        self.length = needed
+
+    def drop_front(self, count: int) -> None:
+        """Remove the first ``count`` entries, moving the rest to the front of the buffer."""
+        rest = self.length - count
+        if rest > 0:
+            self._buffer[:, :, :rest] = self._buffer[:, :, count : self.length].clone()
+        self.length = max(rest, 0)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the storage by ``fn(live data)`` along the batch axis (beam reorder, batch selection)."""
+        if self._buffer is not None:
+            self._buffer = fn(self.data).contiguous()
+
+    def nbytes(self) -> int:
+        data = self.data
+        return 0 if data is None else data.numel() * data.element_size()
+
+    def allocated_nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+
+
+class Stream:
+    """One stream: ``sink`` (full precision) | ``tiles`` (quantized) | ``tail`` (full precision), ``[B, H, T, D]``.
+
+    New tokens fill the sink first, then the tail. `commit` replaces the full tiles at the front of the tail by their
+    quantized form (a tile is quantized once, unless `crop` cuts into it). A 16-bit stream has no sink and never
+    quantizes: every token stays in the tail. Quantized tiles are stored rotated when the scheme rotates; the sink
+    and tail hold the model's tokens unchanged.
+    """
+
+    def __init__(self, spec: StreamSpec) -> None:
+        self.spec = spec
+        self.scheme = spec.scheme
+        self.reset()
+
+    def reset(self) -> None:
+        self._sink, self._tail = GrowableTensor(), GrowableTensor()
+        self._tiles = tuple(GrowableTensor() for _ in range(4))  # codes, scale, zero, gamma
+        self.dtype: torch.dtype | None = None  # the model dtype of sink and tail
+
+    # ---- sizes -------------------------------------------------------------------------------------------------
+    @property
+    def sink_length(self) -> int:
+        return self._sink.length
+
+    @property
+    def num_tiles(self) -> int:
+        return self._tiles[0].length
+
+    @property
+    def tail_start(self) -> int:
+        """Absolute position of the first tail token."""
+        return self.sink_length + self.num_tiles * self.scheme.tile_size
+
+    @property
+    def tail_length(self) -> int:
+        return self._tail.length
+
+    @property
+    def length(self) -> int:
+        return self.tail_start + self.tail_length
+
+    @property
+    def batch_size(self) -> int | None:
+        for store in (self._sink, self._tail, self._tiles[0]):
+            if store.data is not None:
+                return store.data.shape[0]
+        return None
+
+    @property
+    def tiles(self) -> QuantizedTile:
+        """The quantized tiles, leading shape ``[B, H, N]`` (views of the storage)."""
+        return QuantizedTile(*(store.data for store in self._tiles))
+
+    def view(self) -> StreamView:
+        """The stored tensors (views, no copy) for attention."""
+        return StreamView(self.scheme, self.spec.dim, self.dtype, self._sink.data,
+                          self.tiles if self.num_tiles else None, self._tail.data)
+
+    def full(self) -> torch.Tensor | None:
+        """Every token of a 16-bit stream, ``[B, H, T, D]`` in the model dtype (a view)."""
+        assert not self.scheme.quantized, "full() reads 16-bit streams"
+        return self._tail.data
+
+    def pending_tiles(self) -> int:
+        """Full tiles waiting in the tail to be quantized."""
+        if not self.scheme.quantized or self.sink_length < self.scheme.sink_tokens:
+            return 0
+        return self.tail_length // self.scheme.tile_size
+
+    # ---- writes ------------------------------------------------------------------------------------------------
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x [B, H, S, D]`` (model dtype) to the sink, then the tail; quantization waits for a flush."""
+        self.dtype = x.dtype
+        room = self.scheme.sink_tokens - self.sink_length if self.scheme.quantized else 0
+        if room > 0:
+            self._sink.append(x[:, :, :room])
+            x = x[:, :, room:]
+        if x.shape[2]:
+            self._tail.append(x)
+
+    def pending(self, token_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The full tiles waiting in the tail, flattened: ``x [B*H*n, G, D]`` and validity ``[B*H*n, G]`` or None.
+
+        Args:
+            token_valid: Optional ``[B, T]`` bool over absolute positions (T >= this stream's length); False marks
+                padding, which is left out of the tiles' statistics.
+        """
+        count, size = self.pending_tiles(), self.scheme.tile_size
+        tail = self._tail.data
+        batch, heads, _, dim = tail.shape
+        x = tail[:, :, : count * size].reshape(batch * heads * count, size, dim)
+        if token_valid is None:
+            return x, None
+        valid = token_valid[:, self.tail_start : self.tail_start + count * size].reshape(batch, 1, count, size)
+        return x, valid.expand(batch, heads, count, size).reshape(-1, size)
+
+    def commit(self, tile: QuantizedTile) -> None:
+        """Store the quantized pending tiles (leading dim ``B*H*n``, fp16 metadata) and drop them from the tail."""
+        batch, heads = self._tail.data.shape[:2]
+        count = self.pending_tiles()
+        for store, part in zip(self._tiles, tile.parts()):
+            store.append(part.reshape(batch, heads, count, *part.shape[1:]))
+        self._tail.drop_front(count * self.scheme.tile_size)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens. A tile the cut falls inside goes back to the tail, dequantized."""
+        if length >= self.length:
+            return
+        if length >= self.tail_start:
+            self._tail.truncate(length - self.tail_start)
+            return
+        if length == 0:
+            self.reset()
+            return
+        partial = None
+        if length <= self.sink_length:
+            self._sink.truncate(length)
+            keep = 0
+        else:
+            keep, cut = divmod(length - self.sink_length, self.scheme.tile_size)
+            if cut:
+                tile = QuantizedTile(*(t[:, :, keep] for t in self.tiles.parts()))
+                partial = dequantize_tile(tile, self.scheme, self.spec.dim)[:, :, :cut].to(self.dtype)
+        for store in self._tiles:
+            store.truncate(keep)
+        self._tail.truncate(0)
+        if partial is not None:
+            self._tail.append(partial)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` along the batch axis of every stored tensor (beam reorder, batch selection)."""
+        for store in (self._sink, self._tail, *self._tiles):
+            store.map_batch(fn)
+
+    # ---- reads and bytes ---------------------------------------------------------------------------------------
+    def dequantized(self) -> torch.Tensor:
+        """Every token as attention sees it, ``[B, H, T, D]`` float32."""
+        parts = [t.float() for t in (self._sink.data,) if t is not None]
+        if self.num_tiles:
+            parts.append(dequantize_tile(self.tiles, self.scheme, self.spec.dim).flatten(2, 3))
+        if self._tail.data is not None:
+            parts.append(self._tail.data.float())
+        return torch.cat(parts, 2)
+
+    def nbytes(self) -> int:
+        """Bytes of everything stored: sink, tail, codes and fp16 metadata (spare capacity excluded)."""
+        return sum(store.nbytes() for store in (self._sink, self._tail, *self._tiles))
+
+    def allocated_nbytes(self) -> int:
+        """`nbytes` plus the spare capacity reserved for future tokens and tiles."""
+        return sum(store.allocated_nbytes() for store in (self._sink, self._tail, *self._tiles))
+
+
+@torch.no_grad()
+def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Tensor | None = None) -> None:
+    """Quantize the full pending tiles of several streams of one scheme (e.g. the keys of every layer) in one call.
+
+    Args:
+        streams: Streams sharing scheme and width.
+        store: The backend's tile quantizer, ``store(x [N, G, D], scheme, token_valid) -> QuantizedTile``.
+        token_valid: Optional ``[B, T]`` bool over absolute positions; False marks padding, which is left out of
+            the tile statistics.
+
+    Raises:
+        ValueError: if a tile's metadata overflows fp16 (|values| beyond ~1e9); no stream is changed then.
+    """
+    streams = [s for s in streams if s.pending_tiles()]
+    if not streams:
+        return
+    parts = [s.pending(token_valid) for s in streams]
+    x = torch.cat([p[0] for p in parts])
+    valid = None
+    if any(p[1] is not None for p in parts):
+        valid = torch.cat([p[1] if p[1] is not None else torch.ones(p[0].shape[:2], dtype=torch.bool,
+                                                                     device=x.device) for p in parts])
+        valid = None if bool(valid.all()) else valid
+    tile = store(x, streams[0].scheme, valid)
+    largest = metadata_overflow(tile)
+    if largest is not None:
+        raise ValueError(
+            f"kvarn: {streams[0].spec.name} values too large to quantize with fp16 scales (metadata magnitude "
+            f"{largest:.3g} is not finite in fp16); the cache was left unchanged"
+        )
+    offset = 0
+    for stream, (chunk, _) in zip(streams, parts):
+        count = chunk.shape[0]
+        stream.commit(QuantizedTile(*(t[offset : offset + count] for t in tile.parts())))
+        offset += count
+
+
+__all__ = ["GrowableTensor", "Stream", "StreamSpec", "flush_streams"]
