@@ -129,7 +129,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .evaluation.methods import parse_methods
     from .evaluation.runner import load_model, run
-    from .evaluation.tasks import jsonl_items, reasoning_items
+    from .evaluation.tasks import jsonl_items, reasoning_items, retrieval_items
 
     methods = parse_methods(args.presets)
     if args.suite == "jsonl" and not args.tasks:
@@ -141,8 +141,11 @@ def _eval(args: argparse.Namespace) -> int:
     if args.temperature:
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     items = None
+    batch_size = args.batch_size or (1 if args.suite == "retrieval" else 8)
     if args.suite == "reasoning":
         items = reasoning_items(tokenizer, args.limit)
+    elif args.suite == "retrieval":  # --context tokens per item, fresh held-out items of --seed
+        items = retrieval_items(tokenizer, args.context, args.seed, args.limit)
     elif args.suite == "jsonl":
         items = jsonl_items(args.tasks, args.checker, args.max_new_tokens)[: args.limit]
     text_ids = None
@@ -150,7 +153,7 @@ def _eval(args: argparse.Namespace) -> int:
         text_ids = tokenizer(open(args.text).read(), return_tensors="pt", add_special_tokens=False).input_ids
         text_ids = text_ids[:, : args.tokens]
     summary = run(model, tokenizer, methods, args.suite, args.out, text_ids=text_ids, tokens=args.tokens,
-                  chunk=args.chunk, greedy_tokens=args.greedy_tokens, items=items, batch_size=args.batch_size,
+                  chunk=args.chunk, greedy_tokens=args.greedy_tokens, items=items, batch_size=batch_size,
                   sampling=sampling, context=args.context)
     print(json.dumps({name: {k: v for k, v in row.items() if not k.startswith("kl_curve") and k != "attn_err_last"}
                       for name, row in summary["methods"].items()}, indent=1))
@@ -219,21 +222,25 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--presets", default="k4v2,k2v2,kivi-k2v2,rot-k2v2",
                           help="comma-separated methods: presets (with +field=value), bf16, hf-quanto-2/4, "
                           "hf-hqq-2/4, hf-fp8; bf16 is always added as the reference")
-    evaluate.add_argument("--suite", required=True, choices=["accumulation", "reasoning", "worst-vectors", "jsonl"])
+    evaluate.add_argument("--suite", required=True,
+                          choices=["accumulation", "reasoning", "retrieval", "worst-vectors", "jsonl"])
     evaluate.add_argument("--out", required=True, help="summary JSON; records go to the same name with .jsonl")
     evaluate.add_argument("--tasks", help="JSONL task file for --suite jsonl")
     evaluate.add_argument("--checker", default="exact", help="default checker: exact | last-number | boxed")
     evaluate.add_argument("--limit", type=int, default=100, help="items to run (default 100)")
     evaluate.add_argument("--max-new-tokens", type=int, default=512)
-    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--batch-size", type=int, default=None,
+                          help="items generated together (default 8; 1 for retrieval: long prompts without padding)")
     evaluate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     evaluate.add_argument("--top-p", type=float, default=1.0)
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed; for --suite retrieval also the item "
+                          "seed, which must lie outside the training seeds (0-999): such seeds give unseen items")
     evaluate.add_argument("--text", help="text file for accumulation / worst-vectors (default: held-out code)")
     evaluate.add_argument("--tokens", type=int, default=2048, help="text length for accumulation")
     evaluate.add_argument("--chunk", type=int, default=128, help="chunk (tile) size of the accumulation protocol")
     evaluate.add_argument("--greedy-tokens", type=int, default=1024)
-    evaluate.add_argument("--context", type=int, default=1024, help="cached tokens for worst-vectors")
+    evaluate.add_argument("--context", type=int, default=1024,
+                          help="cached tokens for worst-vectors; tokens per item (prompt + answer) for retrieval")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     evaluate.set_defaults(run=_eval)
     return parser

@@ -88,3 +88,11 @@ def test_bad_arguments_raise(kwargs):
     args = {"index": 0, "split": "train", **kwargs}
     with pytest.raises(ValueError):
         R.make_item(**args)
+
+
+def test_item_tokens_counts_prompt_and_target_without_building_the_item():
+    for it in R.held_out_items(30):
+        # digits and format strings are single tokens: prompt and target (with end of text) counted from the text
+        assert R.item_tokens(it.index) == (2 + R.COUNTER + R.WIDTH, it.num_rows * R.ROW_TOKENS + 2)
+    assert R.item_tokens(5, "train", min_rows=1, max_rows=3)[1] == R.make_item(5, "train", min_rows=1,
+                                                                                 max_rows=3).num_rows * R.ROW_TOKENS + 2

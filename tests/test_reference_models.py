@@ -79,76 +79,99 @@ def test_packed_documents_do_not_see_each_other(name):
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_openings_rows_are_item_prefixes_and_start_at_openings_from():
-    # The openings phase packs the opening of each item (prompt + first rows) into every other row: each
-    # document must be exactly a prefix of its item's tokens, the token after an opening (the next document's
-    # first) no target, and steps before the phase keep whole items.
+@pytest.fixture(scope="module")
+def smoke_tokenizer(tmp_path_factory):
     tr = _train_reference()
-    tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
-    recipe = tr.Recipe()
-    data = tr.Data(tok, recipe, max_files=10)
-    for step in (recipe.openings_from - 1, recipe.openings_from):
-        ids, kind, doc = data.batch(step)
-        for row in range(recipe.batch_rows):
-            opening = step >= recipe.openings_from and row % 2 == 1
-            first = (step * recipe.batch_rows + row) * 128
-            for j in range(int(doc[row].max()) + 1):
-                tokens = ids[row][doc[row] == j].tolist()
-                if tokens[0] == tok.pad_token_id:
-                    break  # the padding after the last item
-                item = R.make_item(first + j, "train", min_rows=1, max_rows=recipe.train_max_rows)
-                prompt, target = data.encode_item(item)
-                want = prompt + (target[: recipe.opening_tokens] if opening else target)
-                assert tokens == want, (step, row, j)
-                if j > 0:
-                    start = int((doc[row] == j).nonzero()[0])
-                    assert int(kind[row, start]) == (tr.NO_LOSS if opening else tr.PROMPT), (step, row, j)
+    return tr.build_tokenizer(tmp_path_factory.mktemp("tok"), tr.SMOKE.vocab_size, max_files=40)
+
+
+def test_recipe_phases_and_learning_rate():
+    tr = _train_reference()
+    r = tr.FULL
+    assert r.steps == sum(p.steps for p in r.phases) and r.phase_at(0) == (r.phases[0], 0)
+    first, second = r.phases[:2]
+    assert r.phase_at(first.steps) == (second, 0) and r.phase_at(r.steps - 1)[0] is r.phases[-1]
+    with pytest.raises(ValueError):
+        r.phase_at(r.steps)
+    assert r.lr_at(0) == pytest.approx(first.lr / first.warmup) and r.lr_at(first.warmup) == pytest.approx(first.lr)
+    assert r.lr_at(first.steps) == pytest.approx(second.lr)  # a cosine phase starts at its peak ...
+    assert r.lr_at(first.steps + second.steps - 1) == pytest.approx(second.final_lr)  # ... and ends at final_lr
+    assert all(p.context >= max(p.retrieval) for p in r.phases if "k" in p.mix)
+    # code in every phase: a code row, or retrieval / reasoning rows (code filler and top-up)
+    assert all(set(p.mix) <= set(tr.ROW_KINDS) for p in r.phases)
+
+
+def test_rows_of_every_kind(smoke_tokenizer):
+    # Every document of a row is exactly what its source says (an item's tokens, an opening's prefix of them, a
+    # code window); kinds mark what is trained on; position jumps stay within the phase's span.
+    from kvarn_mla.evaluation import retrieval as RT
+
+    tr = _train_reference()
+    tok, recipe = smoke_tokenizer, tr.SMOKE
+    data = tr.Data(tok, recipe, max_files=40)
+    seen = set()
+    for step in range(recipe.steps):
+        phase, _ = recipe.phase_at(step)
+        ids, kind, doc, offset = data.batch(step)
+        assert ids.shape == kind.shape == doc.shape == offset.shape == (phase.rows, phase.context + 1)
+        for r in range(phase.rows):
+            row = data.row(step, r, phase)
+            assert row.ids == ids[r].tolist() and len(row.sources) == int(doc[r].max()) + 1
+            for j, source in enumerate(row.sources):
+                at = (doc[r] == j).nonzero()[:, 0]
+                tokens, kinds, off = ids[r, at].tolist(), kind[r, at].tolist(), offset[r, at].tolist()
+                assert kinds[0] == (tr.NO_LOSS if j else kinds[0])  # not predictable from the document before
+                if source[0] == "code":
+                    body = tokens[1:] if j else tokens  # a top-up opens with end-of-text
+                    assert body == data.code[source[1] : source[1] + len(body)].tolist() and tokens[0] != tok.pad_token_id
+                    assert set(kinds[1:]) == {tr.CODE} and set(off) == {0}
+                elif source[0] == "reasoning":
+                    item = R.make_item(source[1], "train", min_rows=1, max_rows=phase.max_rows)
+                    prompt, target = data.encode_item(item)
+                    assert tokens == prompt + target[: source[2]]
+                    assert kinds[1:] == ([tr.PROMPT] * len(prompt) + [tr.REASONING] * source[2])[1:]
+                    if phase.mix[r] == "o":
+                        assert source[2] == min(len(target), recipe.opening_rows * R.ROW_TOKENS)
+                else:
+                    context, seed, index = source[1:]
+                    assert seed in RT.TRAIN_SEEDS
+                    item = RT.make_item(tok, context, seed, index)
+                    prompt, target = data.encode_item(item)
+                    assert tokens == prompt + target and item.split == "train" and context in phase.retrieval
+                    assert kinds[len(prompt) :] == [tr.RETRIEVAL] * len(target)
+                    assert tr.CODE in kinds and set(kinds[prompt.index(data.query_id) : len(prompt)]) == {tr.NO_LOSS}
+                    key_at = prompt.index(data.key_id)
+                    assert kinds[key_at] == tr.NO_LOSS and off == sorted(off)
+                    assert off[-1] + len(tokens) <= max(phase.span, len(tokens))
+                seen.add(phase.mix[r] if source[0] != "code" else "code")
+    assert seen == {"code", "r", "o", "k"}
 
 
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"
-    metrics = train_reference.main(
-        [
-            "mla",
-            "--smoke",
-            "--eval-items",
-            "2",
-            "--monitor-every",
-            "0",
-            "--out-dir",
-            str(tmp_path / "ckpt"),
-            "--results",
-            str(results),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ]
-    )
+    common = ["--smoke", "--eval-items", "2", "--eval-retrieval-items", "1", "--eval-contexts", "640",
+              "--monitor-every", "0", "--run-dir", str(tmp_path / "run")]
+    metrics = train_reference.main(["mla", *common, "--out-dir", str(tmp_path / "ckpt"), "--results", str(results)])
     smoke = train_reference.SMOKE
-    # task, task, mixed, polish, anneal, openings
     assert metrics["steps_done"] == smoke.steps == 6 and results.exists()
-    assert [h["lr"] for h in metrics["history"][3:]] == [smoke.polish_lr, smoke.anneal_lr, smoke.openings_lr]
+    assert [h["phase"] for h in metrics["history"]] == [p.name for p in smoke.phases for _ in range(p.steps)]
+    assert [h["lr"] for h in metrics["history"]] == [smoke.lr_at(i) for i in range(6)]
+    assert all({"loss_code", "loss_reasoning"} <= set(h) for h in metrics["history"])
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
-    assert metrics["held_out_code"]["tokens_scored"] > 0 and metrics["held_out_reasoning"]["n"] == 2
-    # Resuming from the saved state at the last step trains nothing more and gives the same weights.
-    again = train_reference.main(
-        [
-            "mla",
-            "--smoke",
-            "--resume",
-            "--eval-items",
-            "1",
-            "--monitor-every",
-            "0",
-            "--out-dir",
-            str(tmp_path / "ckpt2"),
-            "--results",
-            str(tmp_path / "again.json"),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ]
-    )
+    code = metrics["held_out_code"]
+    assert code["tokens_scored"] > 0 and code["own_unigram_entropy"] > 0
+    assert code["nll_over_own_unigram_entropy"] == code["nll_per_token"] / code["own_unigram_entropy"]
+    assert metrics["held_out_reasoning"]["n"] == 2 and metrics["held_out_retrieval"][0]["n"] == 1
+    # Resuming from the saved state at the last step trains nothing more and gives the same history.
+    again = train_reference.main(["mla", *common, "--resume", "--out-dir", str(tmp_path / "ckpt2"), "--results",
+                                  str(tmp_path / "again.json"), "--eval-code-window", "0", "--eval-contexts", ""])
     assert again["history"] == metrics["history"]
+    # --eval-only merges new retrieval contexts into the results file.
+    merged = train_reference.main(["mla", *common, "--eval-only", "--out-dir", str(tmp_path / "ckpt"), "--results",
+                                   str(results), "--eval-items", "0", "--eval-code-window", "0", "--eval-contexts",
+                                   "320"])
+    assert [r["context"] for r in merged["held_out_retrieval"]] == [320, 640]
 
 
 def test_accumulation_texts_of_the_reasoning_task():

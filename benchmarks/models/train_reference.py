@@ -1,19 +1,25 @@
-"""Train one of the project's reference models (MLA, GQA or MHA) on stdlib code + long-chain reasoning.
+"""Train one of the project's reference models (MLA, GQA or MHA) on stdlib code, long-chain reasoning and
+long-context retrieval.
 
 The three models differ only in attention; tokenizer, data order, steps, schedule and seed are shared, so
 any difference in their cache behaviour comes from the attention family. Everything is rebuilt from
-what ships with Python (the stdlib sources) and from :mod:`kvarn_mla.evaluation.reasoning`; nothing is
-downloaded.
+what ships with Python (the stdlib sources), :mod:`kvarn_mla.evaluation.reasoning` and
+:mod:`kvarn_mla.evaluation.retrieval`; nothing is downloaded.
 
 Reproduce (see benchmarks/models/README.md for the measured numbers)::
 
-    python benchmarks/models/train_reference.py mla
-    python benchmarks/models/train_reference.py gqa
-    python benchmarks/models/train_reference.py mha
+    python benchmarks/models/train_reference.py mla --threads 1
+    python benchmarks/models/train_reference.py gqa --threads 1
+    python benchmarks/models/train_reference.py mha --threads 1
 
 Each run writes the checkpoint (bf16 safetensors, config, tokenizer) to
 ``kvarn_mla/reference_models/<name>/``, metrics to ``benchmarks/models/results/<name>.json``, and its
 log and resumable training state to ``runs/<name>/``. ``--smoke`` trains a tiny model for a few steps.
+
+The recipe is a table of phases (:class:`Phase`); every step of every phase holds code (code rows, code
+filler of the retrieval items, and code topping up the reasoning rows). Training runs in float32: this CPU
+(AVX2, no AVX-512) has no native bf16 matmul, and bf16 autocast measured 14x slower than float32
+(86 against 1,192 tokens/s at 2,048 tokens, one thread, eager; 77 tokens/s compiled).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +59,7 @@ from transformers import (  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
-from kvarn_mla.evaluation import reasoning  # noqa: E402
+from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
 from kvarn_mla.evaluation.data import corpus_info, read_code_files  # noqa: E402
 
 MODEL_NAMES = ("mla", "gqa", "mha")
@@ -59,8 +67,54 @@ DEFAULT_TOKENIZER_DIR = REPO / "runs" / "tokenizer"
 DEFAULT_OUT_ROOT = REPO / "kvarn_mla" / "reference_models"
 DEFAULT_RESULTS = REPO / "benchmarks" / "models" / "results"
 DEFAULT_RUNS = REPO / "runs"
-NO_LOSS, REASONING, CODE, PROMPT = 0, 1, 2, 3  # kind of each target token in a training row
-MONITOR_START = 100_000  # monitoring evals use held-out items from here, disjoint from the reported set
+# Kind of each target token in a training row: no loss, a reasoning target, code (code rows, the filler of a
+# retrieval item, the code topping up a reasoning row), a reasoning prompt, a retrieval target.
+NO_LOSS, REASONING, CODE, PROMPT, RETRIEVAL = 0, 1, 2, 3, 4
+KIND_NAMES = {REASONING: "reasoning", CODE: "code", PROMPT: "prompt", RETRIEVAL: "retrieval"}
+MONITOR_START = 100_000  # monitoring evals use held-out reasoning items from here, disjoint from the reported set
+MONITOR_SEED = 10_000  # retrieval monitoring seed (held out); the reported evaluations use other seeds
+EVAL_SEED = 20_000  # retrieval seed of the final evaluation (held out)
+LONG_SCRATCHPAD = 2000  # generated tokens that make a reasoning item "long" in the reports
+ROW_KINDS = {"r": "reasoning items topped up with code", "o": "reasoning openings", "c": "one code window",
+             "k": "retrieval items"}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of training steps with one row layout and one learning-rate curve.
+
+    Attributes:
+        name: label in logs and results.
+        steps: optimizer steps in the phase.
+        context: tokens per row.
+        mix: one letter per row of a step (its length is the rows per step): ``r`` packs whole reasoning items
+            of 1..``max_rows`` rows and tops the row up with code, ``o`` packs item openings (the prompt and the
+            first ``opening_rows`` rows) and tops up with code, ``c`` is one window of the code stream, ``k``
+            packs retrieval items (training seeds) of the lengths in ``retrieval`` and tops up with code.
+        lr: peak learning rate; ``final_lr``: the cosine's end (equal to ``lr``: constant after the warm-up).
+        warmup: linear warm-up steps at the start of the phase.
+        max_rows: most generated rows of a packed reasoning item.
+        retrieval: retrieval item lengths in tokens, drawn uniformly per item (each at most ``context``).
+        span: position interpolation by skipped positions (as PoSE): a retrieval item's position ids are
+            spread over up to ``span`` positions by one or two random jumps (0: contiguous positions).
+        weights: weights of the reasoning, code and retrieval groups in the loss (see :func:`training_loss`).
+    """
+
+    name: str
+    steps: int
+    context: int
+    mix: str
+    lr: float
+    final_lr: float
+    warmup: int = 0
+    max_rows: int = reasoning.MAX_ROWS
+    retrieval: tuple[int, ...] = (512,)
+    span: int = 0
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # loss weight of reasoning, code, retrieval (per kind)
+
+    @property
+    def rows(self) -> int:
+        return len(self.mix)
 
 
 @dataclass(frozen=True)
@@ -71,49 +125,48 @@ class Recipe:
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4  # head_dim 64: MLA's decoupled RoPE key is then 32 wide (16 frequencies); with 8
-    #   heads (RoPE key 16 wide) the MLA model never learned the 17-back lookup (probe: cell accuracy 0.19 after
-    #   250 steps, against 0.98 with 4 heads)
+    #   heads (RoPE key 16 wide) the first MLA model never learned the reasoning lookup
     intermediate_size: int = 768
-    context: int = 2048
-    batch_rows: int = 4  # sequences per optimizer step
-    code_every: int = 4  # every code_every-th row (counted over the whole run) is a pure code row; the
-    #   others pack whole reasoning items from the start and are topped up with code
-    train_max_rows: int = 48  # training items have 1..48 generated rows (held-out: 16..48)
-    prompt_loss: bool = True  # also train on prompt tokens (the random starting row is not predictable,
-    #   but this keeps the objective plain next-token prediction over the whole item)
-    task_steps: int = 700  # the run opens with reasoning-only rows (no code, padding without loss): mixed with
-    #   code from step 0, the one-row-back lookup never formed within 270 steps
-    task_short_steps: int = 300  # ... the first of them short: task_context tokens, items of 1..task_max_rows
-    #   rows (the lookup forms at ~150-200 steps); then task_long_context tokens, items of 1..train_max_rows
-    task_context: int = 512
-    task_max_rows: int = 16
-    task_long_context: int = 1024
-    mixed_steps: int = 100  # then mixed code + reasoning at the full context
-    anneal_from: int = 1000  # then polish: reasoning-only rows of task_long_context tokens at a low lr up to
-    #   here (after the mixed phase the models had 0.999 teacher-forced cell accuracy but 46% exact match) ...
-    polish_lr: float = 5e-4
-    openings_from: int = 1400  # ... and a second, lower cosine from anneal_lr up to here (same rows): after the
-    #   polish the teacher-forced cell accuracy was 0.9999, yet MHA solved only 77% of the long items
-    anneal_lr: float = 2e-4
-    steps: int = 1600  # then "openings" to the end: every other row packs item openings (prompt and the first
-    #   opening_tokens target tokens of a training item) at openings_lr. After the anneal every held-out failure
-    #   was the first generated row's counter (GQA never borrowed there: 39 for 29; later rows 0 errors in 6,351),
-    #   and a packed row of whole items holds one to three first rows, a row of openings eighteen
-    openings_lr: float = 2e-4
-    opening_tokens: int = 2 * reasoning.ROW_TOKENS
-    lr: float = 2e-3  # task phase; the mixed phase decays from mixed_lr by a cosine to min_lr_ratio * mixed_lr
-    mixed_lr: float = 1e-3
-    warmup: int = 50
-    min_lr_ratio: float = 0.1
+    rope_theta: float = 500_000.0  # large base: the low frequencies barely turn over 16k positions
+    max_positions: int = 16384
+    phases: tuple[Phase, ...] = field(default_factory=tuple)
+    opening_rows: int = 2  # rows of an item kept in an openings row
+    loss_per_kind: bool = True  # the loss is the mean over kinds of each kind's mean token loss, so the few
+    #   retrieval target tokens of a row weigh as much as its code
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    bf16_autocast: bool = True
-    compile: bool = True  # torch.compile of the training forward (~1.3x on this CPU)
     doc_mask: bool = True  # packed documents attend only to themselves and restart their positions at 0
-    #   (several items share a row and reuse the same key tokens: without the mask a lookup would also
-    #   match the previous item's keys; with it, training positions match generation's)
 
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    def phase_at(self, step: int) -> tuple[Phase, int]:
+        """The phase of optimizer step ``step`` (0-based) and the step's index within it."""
+        for p in self.phases:
+            if step < p.steps:
+                return p, step
+            step -= p.steps
+        raise ValueError(f"step beyond the recipe's {self.steps} steps")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up to the phase's ``lr``, then a cosine to its ``final_lr`` at its last step."""
+        p, i = self.phase_at(step)
+        if i < p.warmup:
+            return p.lr * (i + 1) / p.warmup
+        t = (i - p.warmup) / max(1, p.steps - 1 - p.warmup)
+        return p.final_lr + (p.lr - p.final_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+FULL = Recipe(
+    phases=(
+        Phase("warm", 400, 512, "rrrk", 2e-3, 2e-3, warmup=50, max_rows=16, retrieval=(512,), weights=(1.0, 0.1, 0.3)),
+        Phase("main", 800, 2560, "rk", 2e-3, 2e-4, max_rows=99, retrieval=(1024, 1536, 2560), span=16384),
+        Phase("long", 60, 8192, "k", 2e-4, 2e-4, retrieval=(4096, 8192)),
+        Phase("anneal", 300, 2560, "ok", 2e-4, 2e-5, max_rows=99, retrieval=(1024, 2560), span=16384),
+    )
+)
 
 SMOKE = Recipe(
     vocab_size=512,
@@ -121,30 +174,26 @@ SMOKE = Recipe(
     num_layers=2,
     num_heads=4,
     intermediate_size=64,
-    context=256,
-    batch_rows=2,
-    code_every=2,
-    train_max_rows=3,
-    task_steps=2,
-    mixed_steps=1,
-    task_short_steps=1,
-    task_context=64,
-    task_max_rows=2,
-    task_long_context=128,
-    anneal_from=4,
-    openings_from=5,
-    steps=6,
-    warmup=1,
-    compile=False,
+    max_positions=2048,
+    phases=(
+        Phase("warm", 2, 640, "rkc", 2e-3, 2e-3, warmup=1, max_rows=3, retrieval=(640,)),
+        Phase("main", 2, 1280, "kr", 1e-3, 1e-4, max_rows=3, retrieval=(640,), span=2048),
+        Phase("anneal", 2, 640, "o", 2e-4, 2e-5, max_rows=3),
+    ),
 )
+
+RECIPES = {"full": FULL, "smoke": SMOKE}
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
+SPECIAL_TOKENS: tuple[str, ...] = reasoning.SPECIAL_TOKENS + retrieval.SPECIAL_TOKENS
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int, max_files: int | None = None) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on the train split of the stdlib code and save it to ``out_dir``.
 
     Digits are split off one by one before BPE, so numbers are always single-digit tokens (the reasoning
-    task's arithmetic is then learnable); the task's format strings are special tokens.
+    task's arithmetic is then learnable); the tasks' format strings are special tokens.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -156,7 +205,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, max_files: int | None = None
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(reasoning.SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -166,7 +215,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, max_files: int | None = None
         eos_token=reasoning.EOS,
         bos_token=reasoning.EOS,
         pad_token=reasoning.PAD,
-        additional_special_tokens=[t for t in reasoning.SPECIAL_TOKENS if t not in (reasoning.EOS, reasoning.PAD)],
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (reasoning.EOS, reasoning.PAD)],
         model_max_length=1 << 30,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +226,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, max_files: int | None = None
 def load_or_build_tokenizer(tok_dir: Path, vocab_size: int, max_files: int | None = None) -> PreTrainedTokenizerFast:
     if (tok_dir / "tokenizer.json").exists():
         tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-        single = all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in reasoning.SPECIAL_TOKENS)
+        single = all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in SPECIAL_TOKENS)
         if len(tok) != vocab_size or not single:
             raise ValueError(f"{tok_dir} holds a tokenizer that does not fit this recipe/task; delete it")
         return tok
@@ -200,13 +249,13 @@ def build_config(name: str, r: Recipe, tok: PreTrainedTokenizerFast) -> Pretrain
         intermediate_size=r.intermediate_size,
         num_hidden_layers=r.num_layers,
         num_attention_heads=r.num_heads,
-        max_position_embeddings=r.context,
+        max_position_embeddings=r.max_positions,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": r.rope_theta},
     )
     if name == "mla":
         return DeepseekV3Config(
@@ -238,8 +287,8 @@ def build_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def _sdpa_pad_v(module, query, key, value, attention_mask, **kwargs):
-    # CPU SDPA only has a fused (flash) kernel when q/k and v share a head dim; MLA's v (32) is narrower
-    # than q/k (48), which drops it to the math path, ~10x slower at 2k tokens. Zero-padding v is exact.
+    # CPU SDPA only has a fused (flash) kernel when q/k and v share a head dim; MLA's v (64) is narrower
+    # than q/k (96), which drops it to the math path, ~10x slower at 2k tokens. Zero-padding v is exact.
     dv = value.shape[-1]
     if dv < query.shape[-1]:
         value = F.pad(value, (0, query.shape[-1] - dv))
@@ -252,14 +301,29 @@ AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
 
 
 # --------------------------------------------------------------------------------------------- data
+ROW_STRIDE = 64  # global row id = step * ROW_STRIDE + row (at most this many rows per step)
+
+
+@dataclass
+class Row:
+    """One training row: token ids, the kind of each token (what it is trained as), its document id, its position
+    offset (skipped positions), and where each document came from: ``("code", start)`` in the code stream,
+    ``("reasoning", index, target_tokens)`` or ``("retrieval", context, seed, index)``."""
+
+    ids: list[int]
+    kind: list[int]
+    doc: list[int]
+    offset: list[int]
+    sources: list[tuple]
+
+
 class Data:
     """Deterministic batches: ``batch(step)`` is a pure function of the step, so resuming is exact.
 
-    Task, polish and anneal phases: reasoning rows only (``task_context`` tokens for the first
-    ``task_short_steps``, ``task_long_context`` after), padded without loss; the openings phase packs item
-    openings instead of whole items into every other row. Mixed phase: a reasoning row packs whole training items
-    from the start and is topped up with a code window; a code row (every ``code_every``-th) is one window of
-    the packed train split (files joined by ``<|endoftext|>``).
+    Rows follow the step's :class:`Phase`: reasoning rows pack whole training items (or their openings) from
+    the start and are topped up with a code window; retrieval rows pack retrieval items (training seeds) and
+    are topped up the same way; a code row is one window of the packed train split (files joined by
+    ``<|endoftext|>``).
     """
 
     def __init__(self, tok: PreTrainedTokenizerFast, r: Recipe, max_files: int | None = None) -> None:
@@ -268,84 +332,147 @@ class Data:
         files = read_code_files("train")[:max_files]
         ids = tok([f.text for f in files], add_special_tokens=False)["input_ids"]
         self.code = np.fromiter((t for doc in ids for t in (*doc, self.eos)), dtype=np.int64)
-        if len(self.code) <= r.context + 1:
-            raise ValueError(f"code stream too short ({len(self.code)} tokens) for context {r.context}")
+        longest = max(p.context for p in r.phases)
+        if len(self.code) <= longest + 1:
+            raise ValueError(f"code stream too short ({len(self.code)} tokens) for rows of {longest}")
+        self.key_id = tok.convert_tokens_to_ids(retrieval.KEY)
+        self.query_id = tok.convert_tokens_to_ids(retrieval.QUERY)
+        # Reasoning text is digits and format tokens, each one token: encode it by lookup (the tokenizer call costs
+        # ~2 ms an item, most of a step's data time), checked against the tokenizer here.
+        self._single = {t: tok.convert_tokens_to_ids(t) for t in reasoning.SPECIAL_TOKENS}
+        self._single.update({d: tok.convert_tokens_to_ids(d) for d in "0123456789"})
+        item = reasoning.make_item(0, "train", min_rows=2, max_rows=2)
+        if self.encode_item(item) != self._tokenizer_encode(item):
+            raise ValueError("the tokenizer does not keep the reasoning task's digits and format strings as one token")
 
-    def _code_window(self, n: int, key: tuple[int, ...]) -> np.ndarray:
+    def _code_start(self, n: int, key: tuple[int, ...]) -> int:
         rng = np.random.default_rng((self.r.seed, *key))
-        start = int(rng.integers(0, len(self.code) - n))
-        return self.code[start : start + n]
+        return int(rng.integers(0, len(self.code) - n))
 
-    def encode_item(self, item: reasoning.Item) -> tuple[list[int], list[int]]:
-        """Token ids of prompt and of target + end-of-text, encoded separately as at generation time."""
+    def _tokenizer_encode(self, item: reasoning.Item | retrieval.Item) -> tuple[list[int], list[int]]:
         prompt = self.tok(item.prompt, add_special_tokens=False)["input_ids"]
         target = self.tok(item.target, add_special_tokens=False)["input_ids"] + [self.eos]
         return prompt, target
 
-    def _reasoning_row(
-        self, step: int, row: int, context: int, max_rows: int, top_up: bool, opening: bool = False
-    ) -> tuple[list[int], list[int], list[int]]:
-        n = context + 1
-        ids: list[int] = []
-        kind: list[int] = []
-        doc: list[int] = []
-        first = (step * self.r.batch_rows + row) * 128  # disjoint item ranges per row
-        for j in range(128):
-            item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=max_rows)
-            p, t = self.encode_item(item)
-            if opening:
-                t = t[: self.r.opening_tokens]  # a prefix of the item's text: every token is still right
-            if len(ids) + len(p) + len(t) > n:
-                if not top_up:
-                    break  # task phase: the rest of the row is padding without loss
-                continue  # try the next (maybe shorter) item; the rest of the row is topped up with code
-            p_kind = [PROMPT if self.r.prompt_loss else NO_LOSS] * len(p)
-            if opening and kind:
-                # The previous opening stops mid-item, so this document's first token is no target (kind[i] is
-                # the loss of predicting ids[i]): a first try that kept it taught the models to stop after two rows.
-                p_kind = [NO_LOSS] + p_kind[1:]
-            doc += [doc[-1] + 1 if doc else 0] * (len(p) + len(t))
-            ids += p + t
-            kind += p_kind + [REASONING] * len(t)
-        fill = n - len(ids)
+    def encode_item(self, item: reasoning.Item | retrieval.Item) -> tuple[list[int], list[int]]:
+        """Token ids of prompt and of target + end-of-text, encoded separately as at generation time."""
+        if isinstance(item, retrieval.Item):
+            return self._tokenizer_encode(item)
+        ids = []
+        for text in (item.prompt, item.target):
+            out, i = [], 0
+            while i < len(text):
+                if text[i] == "<":
+                    j = text.index(">", i) + 1
+                    out.append(self._single[text[i:j]])
+                    i = j
+                else:
+                    out.append(self._single[text[i]])
+                    i += 1
+            ids.append(out)
+        return ids[0], ids[1] + [self.eos]
+
+    def retrieval_kinds(self, item: retrieval.Item, prompt: list[int]) -> list[int]:
+        """Kind of each prompt token of a retrieval item: the code filler is ``CODE``; the facts (random keys and
+        values) and the query (random keys) are ``NO_LOSS``."""
+        kinds = [CODE] * len(prompt)
+        facts = iter(item.facts)
+        i = 0
+        while i < len(prompt):
+            if prompt[i] == self.query_id:
+                kinds[i:] = [NO_LOSS] * (len(prompt) - i)
+                break
+            if prompt[i] == self.key_id:
+                n = len(self.tok(next(facts).text, add_special_tokens=False)["input_ids"])
+                kinds[i : i + n] = [NO_LOSS] * n
+                i += n
+                continue
+            i += 1
+        return kinds
+
+    def _positions(self, n: int, span: int, rng: random.Random) -> list[int]:
+        """Position offsets of a document of ``n`` tokens: contiguous for half of the documents, otherwise one
+        or two random jumps that spread its positions over up to ``span`` (position interpolation by skips)."""
+        if span <= n or rng.random() < 0.5:
+            return [0] * n
+        jumps = sorted(rng.sample(range(1, n), rng.choice((1, 2))))
+        total = rng.randint(0, span - n)
+        cuts = sorted(rng.randint(0, total) for _ in range(len(jumps) - 1)) + [total]
+        sizes = [b - a for a, b in zip([0] + cuts[:-1], cuts)]
+        out, extra, k = [], 0, 0
+        for i in range(n):
+            while k < len(jumps) and jumps[k] == i:
+                extra += sizes[k]
+                k += 1
+            out.append(extra)
+        return out
+
+    def row(self, step: int, row: int, phase: Phase) -> Row:
+        """Row ``row`` of step ``step`` (``phase.context + 1`` tokens)."""
+        n = phase.context + 1
+        letter = phase.mix[row]
+        out = Row([], [], [], [], [])
+        g = step * ROW_STRIDE + row  # global row id: disjoint items per row
+
+        def add(p: list[int], k: list[int], source: tuple, o: list[int] | None = None) -> None:
+            if out.kind:  # the first token of a later document is not predictable from the one before
+                k = [NO_LOSS] + k[1:]
+            out.doc.extend([out.doc[-1] + 1 if out.doc else 0] * len(p))
+            out.ids.extend(p)
+            out.kind.extend(k)
+            out.offset.extend(o or [0] * len(p))
+            out.sources.append(source)
+
+        if letter == "c":
+            start = self._code_start(n, (step, row, 0))
+            add(self.code[start : start + n].tolist(), [CODE] * n, ("code", start))
+        elif letter in "ro":
+            first = g * 128
+            cap = self.r.opening_rows * reasoning.ROW_TOKENS if letter == "o" else n  # openings: a prefix of the target
+            for j in range(128):
+                if n - len(out.ids) < 2 + reasoning.COUNTER + reasoning.WIDTH + reasoning.ROW_TOKENS + 2:
+                    break  # not even a one-row item fits
+                size = reasoning.item_tokens(first + j, "train", min_rows=1, max_rows=phase.max_rows)
+                if len(out.ids) + size[0] + min(size[1], cap) > n:
+                    continue  # try the next (maybe shorter) item; the rest of the row is topped up with code
+                item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=phase.max_rows)
+                p, t = self.encode_item(item)
+                t = t[:cap]  # every token of an opening is still right
+                add(p + t, [PROMPT] * len(p) + [REASONING] * len(t), ("reasoning", item.index, len(t)))
+        elif letter == "k":
+            rng = random.Random(f"retrieval-row/{self.r.seed}/{g}")
+            seed = retrieval.TRAIN_SEEDS[g % len(retrieval.TRAIN_SEEDS)]
+            for j in range(64):
+                fits = [c for c in phase.retrieval if c + 1 <= n - len(out.ids)]
+                if not fits:
+                    break
+                item = retrieval.make_item(self.tok, rng.choice(fits), seed, g // len(retrieval.TRAIN_SEEDS) * 64 + j)
+                p, t = self.encode_item(item)
+                add(p + t, self.retrieval_kinds(item, p) + [RETRIEVAL] * len(t),
+                    ("retrieval", item.context, item.seed, item.index), self._positions(len(p) + len(t), phase.span, rng))
+        else:
+            raise ValueError(f"unknown row kind {letter!r}; expected one of {sorted(ROW_KINDS)}")
+        fill = n - len(out.ids)
         if fill > 0:
-            if top_up:
-                ids += [self.eos] + self._code_window(fill - 1, (step, row, 1)).tolist() if fill > 1 else [self.eos]
-                kind += [CODE] * fill
-            else:
-                ids += [self.tok.pad_token_id] * fill
-                kind += [NO_LOSS] * fill
-            doc += [doc[-1] + 1 if doc else 0] * fill
-        return ids, kind, doc
+            start = self._code_start(fill - 1, (step, row, 1)) if fill > 1 else 0
+            add([self.eos] + self.code[start : start + fill - 1].tolist(), [CODE] * fill, ("code", start))
+        return out
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids, per-token kinds (``NO_LOSS``, ``REASONING``, ``CODE``, ``PROMPT``) and document ids, each
-        ``[batch_rows, context + 1]``, for optimizer step ``step``."""
-        rows, kinds, docs = [], [], []
-        mixed = self.r.task_steps <= step < self.r.task_steps + self.r.mixed_steps
-        short = step < self.r.task_short_steps
-        context = self.r.task_context if short else self.r.task_long_context
-        max_rows = self.r.task_max_rows if short else self.r.train_max_rows
-        openings = step >= self.r.openings_from
-        for row in range(self.r.batch_rows):
-            if not mixed:
-                ids, kind, doc = self._reasoning_row(step, row, context, max_rows, False, openings and row % 2 == 1)
-            elif (step * self.r.batch_rows + row) % self.r.code_every != self.r.code_every - 1:
-                ids, kind, doc = self._reasoning_row(step, row, self.r.context, self.r.train_max_rows, True)
-            else:
-                ids = self._code_window(self.r.context + 1, (step, row, 0)).tolist()
-                kind, doc = [CODE] * len(ids), [0] * len(ids)
-            rows.append(ids)
-            kinds.append(kind)
-            docs.append(doc)
-        return torch.tensor(rows), torch.tensor(kinds), torch.tensor(docs)
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, per-token kinds, document ids and position offsets, each ``[rows, context + 1]``, for
+        optimizer step ``step`` (0-based)."""
+        phase, _ = self.r.phase_at(step)
+        rows = [self.row(step, row, phase) for row in range(phase.rows)]
+        return (torch.tensor([r.ids for r in rows]), torch.tensor([r.kind for r in rows]),
+                torch.tensor([r.doc for r in rows]), torch.tensor([r.offset for r in rows]))
 
 
-def doc_mask_and_positions(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def doc_mask_and_positions(doc: torch.Tensor, offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-diagonal causal mask and per-document positions for packed rows.
 
     Args:
         doc: ``[batch, seq]`` document id of each token (non-decreasing along a row).
+        offset: ``[batch, seq]`` added to each token's position (skipped positions), or None.
 
     Returns:
         ``mask [batch, 1, seq, seq]`` (bool, True = may attend) and ``position_ids [batch, seq]``.
@@ -355,7 +482,8 @@ def doc_mask_and_positions(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     first[:, 1:] = doc[:, 1:] != doc[:, :-1]
     start = torch.cummax(torch.where(first, ar, 0), dim=1).values
     mask = (doc[:, :, None] == doc[:, None, :]) & (ar[:, None] >= ar[None, :])
-    return mask[:, None], ar - start
+    positions = ar - start
+    return mask[:, None], positions if offset is None else positions + offset
 
 
 # --------------------------------------------------------------------------------------------- eval
@@ -413,6 +541,8 @@ def eval_reasoning(
                 failures.append(items[i].index)
     n = len(items)
     lo, hi = wilson(correct, n)
+    target_tokens = [len(data.encode_item(it)[1]) - 1 for it in items]  # without the end-of-text token
+    long = [it.index for it, t in zip(items, target_tokens) if t >= LONG_SCRATCHPAD]
     return {
         "n": n,
         "exact_match": correct / n,
@@ -420,8 +550,11 @@ def eval_reasoning(
         "wilson95": [lo, hi],
         "final_answer_acc": answer_ok / n,
         "failed_indices": sorted(failures),
-        "mean_target_tokens": float(np.mean([len(data.encode_item(it)[1]) for it in items])),
+        "mean_target_tokens": float(np.mean(target_tokens)),
+        "max_target_tokens": max(target_tokens),
         "mean_prompt_tokens": float(np.mean([len(data.encode_item(it)[0]) for it in items])),
+        f"items_{LONG_SCRATCHPAD}_plus_tokens": len(long),
+        f"correct_{LONG_SCRATCHPAD}_plus_tokens": sum(i not in failures for i in long),
     }
 
 
@@ -458,58 +591,118 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
 
 
 @torch.no_grad()
-def eval_code(model: PreTrainedModel, data: Data, max_tokens: int | None) -> dict[str, object]:
-    """Held-out code perplexity over non-overlapping context windows, and a unigram baseline on the same
-    predicted tokens (add-one smoothed unigram fitted on the whole train code stream)."""
-    tok, ctx = data.tok, data.r.context
+def retrieval_teacher_forced(model: PreTrainedModel, data: Data, items: list[retrieval.Item]) -> dict[str, float]:
+    """Cheap retrieval progress signal: share of items whose every target token is the argmax given the prompt and
+    the reference target before it (what greedy decoding needs), and the per-token accuracy."""
+    model.eval()
+    right = tokens = whole = 0
+    for it in items:
+        ok = target_hits(model, *data.encode_item(it))
+        right, tokens, whole = right + sum(ok), tokens + len(ok), whole + all(ok)
+    return {"tf_items_all_right": whole / len(items), "tf_token_acc": right / tokens}
+
+
+@torch.no_grad()
+def eval_retrieval(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerFast,
+    context: int,
+    seed: int,
+    count: int,
+    max_new_tokens: int | None = None,
+) -> dict[str, object]:
+    """Greedy generation (one item at a time: no padding, the flash attention path) over ``count`` held-out retrieval
+    items of ``context`` tokens from ``seed``, scored by exact match of the whole target.
+
+    ``max_new_tokens`` caps generation (smoke tests only; a capped item cannot pass).
+    """
+    model.eval()
+    records = []
+    t0 = time.time()
+    for it in retrieval.held_out_items(tok, context, seed, count):
+        ids = tok(it.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=min(it.target_tokens + 4, max_new_tokens or 1 << 30),
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        text = tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=False)
+        records.append({
+            "index": it.index,
+            "exact": retrieval.check(it, text),
+            "answers": retrieval.check_answers(it, text),
+            "queries": len(it.queries),
+            "max_hops": max(len(c) for c in it.chains),
+            "answer_depths": [round(d, 4) for d in it.answer_depths],
+            "prompt_tokens": it.prompt_tokens,
+        })
+    n = len(records)
+    correct = sum(r["exact"] for r in records)
+    lo, hi = wilson(correct, n)
+    by_hops = Counter(r["max_hops"] for r in records)
+    return {
+        "context": context,
+        "seed": seed,
+        "n": n,
+        "exact_match": correct / n,
+        "correct": correct,
+        "wilson95": [lo, hi],
+        "answer_acc": float(np.mean([r["answers"] for r in records])),
+        "exact_by_max_hops": {h: sum(r["exact"] for r in records if r["max_hops"] == h) / k for h, k in
+                              sorted(by_hops.items())},
+        "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in records])),
+        "answer_depth_deciles": retrieval.depth_histogram(retrieval.held_out_items(tok, context, seed, count)),
+        "seconds": time.time() - t0,
+        "items": records,
+    }
+
+
+@torch.no_grad()
+def eval_code(model: PreTrainedModel, data: Data, window: int, max_tokens: int | None) -> dict[str, object]:
+    """Held-out code NLL per token over non-overlapping ``window``-token windows, against two unigram baselines on
+    the same predicted tokens: the held-out text's own unigram entropy (its empirical token distribution, the
+    target's yardstick) and the cross-entropy of an add-one smoothed unigram fitted on the train code stream."""
+    tok = data.tok
     model.eval()
     files = read_code_files("held_out")
     ids = tok([f.text for f in files], add_special_tokens=False)["input_ids"]
     stream = torch.tensor([t for doc in ids for t in (*doc, data.eos)])
-    n_windows = max(1, len(stream) // (ctx + 1))
+    n_windows = max(1, len(stream) // (window + 1))
     if max_tokens is not None:
-        n_windows = max(1, min(n_windows, max_tokens // ctx))
+        n_windows = max(1, min(n_windows, max_tokens // window))
     counts = np.bincount(data.code, minlength=len(tok)).astype(np.float64) + 1.0
     log_uni = torch.from_numpy(np.log(counts / counts.sum()))
     nll = uni = 0.0
-    n = 0
+    scored: list[torch.Tensor] = []
     for w in range(n_windows):
-        chunk = stream[w * (ctx + 1) : (w + 1) * (ctx + 1)]
+        chunk = stream[w * (window + 1) : (w + 1) * (window + 1)]
         logits = model(input_ids=chunk[None, :-1]).logits.float()[0]
         nll += float(F.cross_entropy(logits, chunk[1:], reduction="sum"))
         uni -= float(log_uni[chunk[1:]].sum())
-        n += len(chunk) - 1
+        scored.append(chunk[1:])
+    targets = torch.cat(scored)
+    n = len(targets)
+    p = torch.bincount(targets).double()
+    p = p[p > 0] / n
+    own_entropy = float(-(p * p.log()).sum())
     return {
         "files": len(files),
         "tokens_available": len(stream),
         "tokens_scored": n,
-        "window": ctx,
+        "window": window,
+        "nll_per_token": nll / n,
+        "own_unigram_entropy": own_entropy,
+        "nll_over_own_unigram_entropy": nll / n / own_entropy,
+        "train_unigram_cross_entropy": uni / n,
         "perplexity": math.exp(nll / n),
         "unigram_perplexity": math.exp(uni / n),
-        "bits_per_token": nll / n / math.log(2),
     }
 
 
 # --------------------------------------------------------------------------------------------- train
-def lr_at(step: int, r: Recipe) -> float:
-    """Task phase: linear warmup to ``lr``, then constant. Mixed, polish, anneal and openings phases: each a cosine
-    from its peak (``mixed_lr``, ``polish_lr``, ``anneal_lr``, ``openings_lr``) to ``min_lr_ratio`` times it at the
-    phase's last step."""
-    if step < r.task_steps:
-        return r.lr * min(1.0, (step + 1) / r.warmup)
-    mixed_end = r.task_steps + r.mixed_steps
-    if step < mixed_end:
-        peak, start, end = r.mixed_lr, r.task_steps, mixed_end
-    elif step < r.anneal_from:
-        peak, start, end = r.polish_lr, mixed_end, r.anneal_from
-    elif step < r.openings_from:
-        peak, start, end = r.anneal_lr, r.anneal_from, r.openings_from
-    else:
-        peak, start, end = r.openings_lr, r.openings_from, r.steps
-    t = (step - start) / max(1, end - start)
-    return peak * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
 def count_params(model: PreTrainedModel) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())  # tied embedding counted once
     emb = model.get_input_embeddings().weight.numel()
@@ -532,28 +725,88 @@ def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out_di
     return sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
 
 
+def training_loss(
+    nll: torch.Tensor, kind: torch.Tensor, per_kind: bool, weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's loss from per-token NLL ``[rows, seq]`` and kinds ``[rows, seq]``, and each group's mean.
+
+    Groups: reasoning (targets and prompts), code, retrieval targets. ``per_kind``: the weighted mean of the groups'
+    means (``weights`` in that order; groups absent from the batch are left out); otherwise the mean over all loss
+    tokens.
+    """
+    groups = {"reasoning": (kind == REASONING) | (kind == PROMPT), "code": kind == CODE, "retrieval": kind == RETRIEVAL}
+    means = {g: (nll * m).sum() / m.sum() for g, m in groups.items() if m.any()}
+    if per_kind:
+        w = dict(zip(groups, weights))
+        loss = sum(w[g] * v for g, v in means.items()) / sum(w[g] for g in means)
+    else:
+        keep = kind != NO_LOSS
+        loss = (nll * keep).sum() / keep.sum()
+    return loss, {g: float(v.detach()) for g, v in means.items()}
+
+
+def evaluate(model: PreTrainedModel, data: Data, args: argparse.Namespace, smoke: bool) -> dict[str, object]:
+    """Final held-out evaluation of the shipped checkpoint: code NLL, reasoning and retrieval exact match."""
+    out: dict[str, object] = {}
+    t0 = time.time()
+    if args.eval_code_window:
+        cap = 4 * args.eval_code_window if smoke else args.eval_code_tokens
+        out["held_out_code"] = eval_code(model, data, args.eval_code_window, cap)
+        print(f"[{args.name}] code: {json.dumps(out['held_out_code'])}", flush=True)
+    if args.eval_items:
+        items = reasoning.held_out_items(args.eval_items)
+        out["held_out_reasoning"] = {
+            **eval_reasoning(model, data, items, max_new_tokens=16 if smoke else None),
+            "task": {"modulus": reasoning.MODULUS, "width": reasoning.WIDTH, "min_rows": reasoning.MIN_ROWS,
+                     "max_rows": reasoning.MAX_ROWS},
+            "decoding": "greedy, batched with left padding, DynamicCache, bf16 checkpoint computed in float32",
+        }
+        r = out["held_out_reasoning"]
+        print(f"[{args.name}] reasoning EM {r['exact_match']:.3f} ({r['correct']}/{r['n']}), "
+              f"{LONG_SCRATCHPAD}+ tokens {r[f'correct_{LONG_SCRATCHPAD}_plus_tokens']}/"
+              f"{r[f'items_{LONG_SCRATCHPAD}_plus_tokens']}", flush=True)
+    runs = []
+    for context in args.eval_contexts:
+        if args.eval_retrieval_items:
+            res = eval_retrieval(model, data.tok, context, args.eval_seed, args.eval_retrieval_items,
+                                 max_new_tokens=4 if smoke else None)
+            runs.append(res)
+            print(f"[{args.name}] retrieval @{context}: EM {res['exact_match']:.3f} ({res['correct']}/{res['n']}), "
+                  f"answers {res['answer_acc']:.3f}, {res['seconds']:.0f}s", flush=True)
+    if runs:
+        out["held_out_retrieval"] = runs
+    out["eval_seconds"] = time.time() - t0
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=MODEL_NAMES)
-    ap.add_argument("--steps", type=int, help="optimizer steps (default: the recipe's)")
-    ap.add_argument("--max-steps", type=int, help="stop after this many steps (schedule still uses --steps)")
+    ap.add_argument("--max-steps", type=int, help="stop after this many steps (the schedule is the recipe's)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, tiny data slice, a few steps (tests)")
     ap.add_argument("--out-dir", type=Path, help="checkpoint dir (default kvarn_mla/reference_models/<name>)")
     ap.add_argument("--results", type=Path, help="metrics JSON (default benchmarks/models/results/<name>.json)")
     ap.add_argument("--run-dir", type=Path, help="log/resume dir (default runs/<name>)")
     ap.add_argument("--tokenizer-dir", type=Path, help="tokenizer cache (default runs/tokenizer)")
     ap.add_argument("--resume", action="store_true", help="continue from run-dir/state.pt if present")
-    ap.add_argument("--eval-items", type=int, default=200, help="held-out reasoning items for the final eval")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="evaluate the checkpoint in --out-dir and merge the evaluations into --results (no training)")
+    ap.add_argument("--eval-items", type=int, default=100, help="held-out reasoning items (0: skip)")
+    ap.add_argument("--eval-retrieval-items", type=int, default=100, help="held-out retrieval items per context")
+    ap.add_argument("--eval-contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[2048, 4096, 8192,
+                    16384], help="retrieval contexts, comma-separated (default 2048,4096,8192,16384; empty: skip)")
+    ap.add_argument("--eval-seed", type=int, default=EVAL_SEED, help="held-out retrieval seed")
+    ap.add_argument("--eval-code-window", type=int, default=2048, help="tokens per code window (0: skip)")
     ap.add_argument("--eval-code-tokens", type=int, help="cap on held-out code tokens scored (default all)")
     ap.add_argument("--monitor-every", type=int, default=100, help="steps between quick held-out evals (0: off)")
     ap.add_argument("--monitor-items", type=int, default=16)
-    ap.add_argument("--save-every", type=int, default=50, help="steps between resumable states")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--monitor-contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[1024, 4096],
+                    help="retrieval contexts of the quick evals")
+    ap.add_argument("--save-every", type=int, default=25, help="steps between resumable states")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
 
-    r = SMOKE if args.smoke else Recipe()
-    if args.steps is not None:
-        r = Recipe(**{**asdict(r), "steps": args.steps})
+    r = SMOKE if args.smoke else FULL
     max_files = 40 if args.smoke else None
     run_dir = args.run_dir or DEFAULT_RUNS / (f"smoke-{args.name}" if args.smoke else args.name)
     out_dir = args.out_dir or DEFAULT_OUT_ROOT / args.name
@@ -567,6 +820,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     t_setup = time.time()
     tok = load_or_build_tokenizer(tok_dir, r.vocab_size, max_files)
     data = Data(tok, r, max_files)
+    if args.eval_only:
+        shipped = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+        metrics = json.loads(results.read_text()) if results.exists() else {"name": args.name}
+        evaluation = evaluate(shipped, data, args, args.smoke)
+        for key, value in evaluation.items():
+            if key == "held_out_retrieval":  # merge by context: an eval-only run may cover some contexts only
+                old = {res["context"]: res for res in metrics.get(key, [])}
+                old.update({res["context"]: res for res in value})
+                value = [old[c] for c in sorted(old)]
+            metrics[key] = value
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
+        return metrics
     config = build_config(args.name, r, tok)
     model = build_model(config)
     model.config._attn_implementation = "sdpa_pad_v"
@@ -577,81 +843,73 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
 
     # One weight-decay group over all parameters: with norm gains and biases exempted (the usual split) the
-    # lookup never formed in two task-phase runs, while every probe with this single group learned it.
-    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=r.weight_decay)
+    # first models' reasoning lookup never formed in two task-phase runs, while every probe with one group did.
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr_at(0), betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=r.weight_decay)
     state_path = run_dir / "state.pt"
     start, train_seconds, history = 0, 0.0, []
-    seen = {"input_tokens": 0, "loss_tokens": 0, "reasoning_loss_tokens": 0}
+    seen = {"input_tokens": 0, "loss_tokens": 0} | {f"{k}_tokens": 0 for k in KIND_NAMES.values()}
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        # A state written by the recipe before the openings phase existed (it ended at openings_from) continues
-        # into that phase: every step it took is the same under this recipe.
-        before = {**asdict(r), "steps": r.openings_from}
-        del before["openings_from"], before["openings_lr"], before["opening_tokens"]
-        if st["recipe"] != asdict(r) and not (st["recipe"] == before and st["step"] <= r.openings_from):
+        if st["recipe"] != json.loads(json.dumps(asdict(r))):
             raise ValueError(f"{state_path} was written by a different recipe: {st['recipe']}")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         start, train_seconds, history, seen = st["step"], st["train_seconds"], st["history"], st["seen"]
+        torch.set_rng_state(st["torch_rng"])
         print(f"[{args.name}] resumed at step {start}", flush=True)
 
     monitor = reasoning.held_out_items(args.monitor_items, start=MONITOR_START)
-    # Compiled forward for training only; generation and checkpoints use the plain module (same weights).
-    forward = torch.compile(model, dynamic=False) if r.compile else model
+    monitor_retrieval = {c: retrieval.held_out_items(tok, c, MONITOR_SEED, args.monitor_items // 2)
+                         for c in args.monitor_contexts}
     stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
     for step in range(start, stop):
         model.train()
         t0 = time.time()
+        phase, _ = r.phase_at(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, r)
-        seq, kind, doc = data.batch(step)
+            g["lr"] = r.lr_at(step)
+        seq, kind, doc, offset = data.batch(step)
         inputs, targets, kind = seq[:, :-1], seq[:, 1:], kind[:, 1:]
-        mask, positions = doc_mask_and_positions(doc[:, :-1]) if r.doc_mask else (None, None)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r.bf16_autocast):
-            logits = forward(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-        n_reason, n_code = int((kind == REASONING).sum()), int((kind == CODE).sum())
-        n_loss = int((kind != NO_LOSS).sum())
-        loss = (nll * (kind != NO_LOSS)).sum() / n_loss
+        doc, offset = doc[:, :-1], offset[:, :-1]
+        if r.doc_mask and bool((doc > 0).any()):
+            mask, positions = doc_mask_and_positions(doc, offset)
+        else:  # one document per row: plain causal attention (the fused kernel), positions 0.. plus the jumps
+            mask, positions = None, torch.arange(inputs.shape[1]) + offset
+        logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        loss, means = training_loss(nll, kind, r.loss_per_kind, phase.weights)
         loss.backward()
-        loss = loss.detach()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.time() - t0
         train_seconds += dt
         seen["input_tokens"] += inputs.numel()
-        seen["loss_tokens"] += n_loss
-        seen["reasoning_loss_tokens"] += n_reason
-        with torch.no_grad():
-            loss_r = float((nll * (kind == REASONING)).sum() / max(n_reason, 1))
-            loss_c = float((nll * (kind == CODE)).sum() / max(n_code, 1))
-        rec = {
-            "step": step + 1,
-            "loss": loss.item(),
-            "loss_reasoning": loss_r,
-            "loss_code": loss_c,
-            "lr": lr_at(step, r),
-            "grad_norm": gnorm,
-            "sec": dt,
-        }
+        seen["loss_tokens"] += int((kind != NO_LOSS).sum())
+        for k, name in KIND_NAMES.items():
+            seen[f"{name}_tokens"] += int((kind == k).sum())
+        rec = {"step": step + 1, "phase": phase.name, "loss": float(loss), **{f"loss_{g}": v for g, v in means.items()},
+               "lr": r.lr_at(step), "grad_norm": gnorm, "sec": dt}
         if args.monitor_every and (step + 1) % args.monitor_every == 0:
             t_mon = time.time()
-            m = eval_reasoning(model, data, monitor, args.monitor_items, 16 if args.smoke else None)
-            rec["monitor_exact_match"] = m["exact_match"]
-            rec["monitor_final_answer_acc"] = m["final_answer_acc"]
             rec.update(teacher_forced(model, data, monitor))
+            for c, items in monitor_retrieval.items():
+                m = retrieval_teacher_forced(model, data, items)
+                rec[f"retrieval_{c}_tf_all"], rec[f"retrieval_{c}_tf_token"] = m["tf_items_all_right"], m["tf_token_acc"]
             rec["monitor_sec"] = time.time() - t_mon
         history.append(rec)
         print(
-            f"[{args.name}] step {step + 1}/{r.steps} loss {loss:.3f} (reason {loss_r:.3f} code {loss_c:.3f}) "
-            f"lr {rec['lr']:.2e} gn {gnorm:.2f} "
-            f"{dt:.2f}s ({inputs.numel() / dt:.0f} tok/s) train {train_seconds / 60:.1f}min"
+            f"[{args.name}] step {step + 1}/{r.steps} {phase.name} loss {float(loss):.3f} ("
+            + " ".join(f"{g} {v:.3f}" for g, v in means.items())
+            + f") lr {rec['lr']:.2e} gn {gnorm:.2f} {dt:.2f}s ({inputs.numel() / dt:.0f} tok/s) "
+            f"train {train_seconds / 60:.1f}min"
             + (
-                f" | monitor EM {rec['monitor_exact_match']:.3f} ans {rec['monitor_final_answer_acc']:.3f} "
-                f"tf cell {rec['tf_acc_cell']:.3f} row start {rec['tf_acc_row_start']:.3f} "
-                f"all {rec['tf_items_all_right']:.3f} ({rec['monitor_sec']:.0f}s)"
-                if "monitor_exact_match" in rec
+                f" | reasoning tf cell {rec['tf_acc_cell']:.3f} all {rec['tf_items_all_right']:.3f} | retrieval tf "
+                + " ".join(f"@{c} {rec[f'retrieval_{c}_tf_all']:.2f}/{rec[f'retrieval_{c}_tf_token']:.3f}"
+                           for c in monitor_retrieval)
+                + f" ({rec['monitor_sec']:.0f}s)"
+                if "monitor_sec" in rec
                 else ""
             ),
             flush=True,
@@ -660,13 +918,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             tmp = state_path.with_suffix(".tmp")
             torch.save(
                 {
-                    "recipe": asdict(r),
+                    "recipe": json.loads(json.dumps(asdict(r))),
                     "model": model.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step + 1,
                     "train_seconds": train_seconds,
                     "history": history,
                     "seen": seen,
+                    "torch_rng": torch.get_rng_state(),
                 },
                 tmp,
             )
@@ -675,11 +934,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # Final evaluation runs on the checkpoint as shipped: bf16 weights, loaded back in float32.
     ckpt_bytes = save_checkpoint(model, tok, out_dir)
     shipped = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    t_eval = time.time()
-    code = eval_code(shipped, data, 4 * r.context if args.smoke else args.eval_code_tokens)
-    items = reasoning.held_out_items(args.eval_items)
-    reason = eval_reasoning(shipped, data, items, max_new_tokens=16 if args.smoke else None)
-    eval_seconds = time.time() - t_eval
+    evaluation = evaluate(shipped, data, args, args.smoke)
     metrics = {
         "name": args.name,
         "architecture": type(model).__name__,
@@ -690,18 +945,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "tokens_seen": seen,
         "train_seconds": train_seconds,
         "final_train_loss_mean_last_20": float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
-        "eval_seconds": eval_seconds,
-        "held_out_code": code,
-        "held_out_reasoning": {
-            **reason,
-            "task": {
-                "modulus": reasoning.MODULUS,
-                "width": reasoning.WIDTH,
-                "min_rows": reasoning.MIN_ROWS,
-                "max_rows": reasoning.MAX_ROWS,
-            },
-            "decoding": "greedy, batched with left padding, DynamicCache, bf16 checkpoint computed in float32",
-        },
+        **evaluation,
         "checkpoint_bytes": ckpt_bytes,
         "checkpoint_files": {p.name: p.stat().st_size for p in sorted(out_dir.iterdir())},
         "environment": {
@@ -716,12 +960,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
-    print(
-        f"[{args.name}] code ppl {code['perplexity']:.3f} (unigram {code['unigram_perplexity']:.1f}) | reasoning EM "
-        f"{reason['exact_match']:.3f} ({reason['correct']}/{reason['n']}, 95% CI {reason['wilson95'][0]:.3f}-"
-        f"{reason['wilson95'][1]:.3f}) | checkpoint {ckpt_bytes / 2**20:.2f} MiB | wrote {results}",
-        flush=True,
-    )
+    print(f"[{args.name}] checkpoint {ckpt_bytes / 2**20:.2f} MiB | wrote {results}", flush=True)
     return metrics
 
 

@@ -12,6 +12,7 @@ whose stdlib is read; the training script records it.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -60,10 +61,14 @@ def read_code_files(split: str, root: Path | None = None) -> list[CodeFile]:
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split=}")
     root = stdlib_root() if root is None else Path(root)
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]  # pruned, not walked (site-packages is large)
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
     files = []
-    for p in sorted(root.rglob("*.py")):
+    for p in sorted(found):
         rel = p.relative_to(root)
-        if _SKIP_DIRS.intersection(rel.parts[:-1]) or not p.is_file():
+        if not p.is_file():
             continue
         relpath = rel.as_posix()
         if code_split(relpath) != split:

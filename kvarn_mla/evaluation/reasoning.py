@@ -53,6 +53,7 @@ __all__ = [
     "check_answer",
     "held_out_items",
     "instance_split",
+    "item_tokens",
     "make_item",
     "render",
     "solve",
@@ -181,16 +182,30 @@ def make_item(
         raise ValueError(f"need 1 <= min_rows <= max_rows, got {min_rows=}, {max_rows=}")
     if not 2 <= modulus <= 10:
         raise ValueError(f"modulus must be in [2, 10] so cells are one digit, got {modulus=}")
+    num_rows, start = _draw(index, split, min_rows, max_rows, modulus)
+    rows = solve(start, num_rows, modulus)
+    prompt, target = render(rows, modulus)
+    return Item(index, split, modulus, rows, prompt, target, str(rows[-1][-1]))
+
+
+def _draw(index: int, split: str, min_rows: int, max_rows: int, modulus: int) -> tuple[int, tuple[int, ...]]:
     attempt = 0
     while True:
         rng = random.Random(f"{split}/{index}/{attempt}")
         num_rows = rng.randint(min_rows, max_rows)
         start = tuple(rng.randrange(10) for _ in range(WIDTH))
         if instance_split(start, modulus) == split:
-            rows = solve(start, num_rows, modulus)
-            prompt, target = render(rows, modulus)
-            return Item(index, split, modulus, rows, prompt, target, str(rows[-1][-1]))
+            return num_rows, start
         attempt += 1
+
+
+def item_tokens(
+    index: int, split: str = "held_out", *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS, modulus: int = MODULUS
+) -> tuple[int, int]:
+    """Token counts ``(prompt, target)`` of ``make_item(index, split, ...)`` without building it (digits and format
+    strings are single tokens; the target's count includes the end-of-text token), for packing training rows."""
+    num_rows, _ = _draw(index, split, min_rows, max_rows, modulus)
+    return 2 + COUNTER + WIDTH, num_rows * ROW_TOKENS + 2
 
 
 def held_out_items(n: int, start: int = 0, **kwargs: int) -> list[Item]:

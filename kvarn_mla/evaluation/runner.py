@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from .checkers import wilson_interval
 from .methods import REFERENCE, Method
 
-SUITES = ("accumulation", "reasoning", "worst-vectors", "jsonl")
+SUITES = ("accumulation", "reasoning", "retrieval", "worst-vectors", "jsonl")
 GREEDY_PROMPT = 512  # tokens of the text that prompt the free-running greedy comparison
 
 
@@ -108,7 +108,7 @@ def run(
     Args:
         model, tokenizer: The unpatched model (methods patch it temporarily) and its tokenizer.
         methods: Methods to compare (the 16-bit reference among them).
-        suite: ``accumulation``, ``reasoning``/``jsonl`` (``items`` to generate), or ``worst-vectors``.
+        suite: ``accumulation``, ``reasoning``/``retrieval``/``jsonl`` (``items`` to generate), or ``worst-vectors``.
         out: Summary path; records go to ``out`` with suffix ``.jsonl``.
         text_ids: ``[1, T]`` text for accumulation/worst-vectors (default: held-out code, ``tokens`` long).
         chunk: Chunk size of the accumulation protocol (the tile size).
@@ -173,7 +173,7 @@ def summarize(log: ResultLog, methods: list[Method], suite: str, model_config) -
     rows = {}
     for method in methods:
         records = log.of(suite, method.name)
-        if suite == "reasoning" and records:
+        if suite in ("reasoning", "retrieval") and records:
             checks = [k for k in records[0] if k not in ("suite", "method", "key", "id", "new_tokens", "text")]
             row = {"n": len(records)}
             for check in checks:

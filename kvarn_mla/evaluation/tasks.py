@@ -1,4 +1,5 @@
-"""Generation tasks: the reference models' long-chain reasoning set, and user JSONL files with named checkers."""
+"""Generation tasks: the reference models' long-chain reasoning and long-context retrieval sets, and user JSONL files
+with named checkers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reasoning
+from . import reasoning, retrieval
 from .checkers import load_tasks
 from .methods import Method
 
@@ -39,6 +40,21 @@ def reasoning_items(tokenizer, count: int, margin: int = 8) -> list[GenerationIt
             {"exact": lambda text, item=item: reasoning.check(item, text),
              "answer": lambda text, item=item: reasoning.check_answer(item, text)},
             budget,
+        ))
+    return items
+
+
+def retrieval_items(tokenizer, context: int, seed: int, count: int, margin: int = 4) -> list[GenerationItem]:
+    """``count`` fresh held-out retrieval items of ``context`` tokens from ``seed`` (a seed outside
+    `retrieval.TRAIN_SEEDS`: its items share no code file and no number with training). Checks: ``exact`` (the whole
+    target, every fact on the way) and ``numbers`` (the queried numbers, in order)."""
+    items = []
+    for item in retrieval.held_out_items(tokenizer, context, seed, count):
+        items.append(GenerationItem(
+            f"retrieval-{context}-{seed}-{item.index}", item.prompt,
+            {"exact": lambda text, item=item: retrieval.check(item, text),
+             "numbers": lambda text, item=item: retrieval.check_answers(item, text) == 1.0},
+            item.target_tokens + margin,
         ))
     return items
 
