@@ -285,29 +285,22 @@ class KVarNCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes the cache holds: quantized codes and scales, full-precision sink and tail, unquantized layers."""
-        return sum(_layer_nbytes(layer) for layer in self.layers)
+        return sum(_layer_bytes(layer, "nbytes") for layer in self.layers)
 
     def allocated_nbytes(self) -> int:
         """`nbytes` plus the spare capacity reserved for future tiles."""
-        return sum(
-            layer.allocated_nbytes() if getattr(layer, "is_kvarn", False) else _layer_nbytes(layer)
-            for layer in self.layers
-        )
+        return sum(_layer_bytes(layer, "allocated_nbytes") for layer in self.layers)
 
     def dense_nbytes(self) -> int:
         """Bytes a 16-bit cache would hold for the same tokens."""
-        total = 0
-        for layer in self.layers:
-            if getattr(layer, "is_kvarn", False):
-                total += layer.dense_nbytes()
-            elif layer.is_initialized:
-                total += (layer.keys.numel() + layer.values.numel()) * DENSE_BYTES_PER_ELEMENT
-        return total
+        return sum(_layer_bytes(layer, "dense_nbytes") for layer in self.layers)
 
 
-def _layer_nbytes(layer) -> int:
+def _layer_bytes(layer, which: str) -> int:
+    """A KVarN layer's own count; what transformers' (sliding) layers hold (at 2 bytes each for ``dense_nbytes``)."""
     if getattr(layer, "is_kvarn", False):
-        return layer.nbytes()
+        return getattr(layer, which)()
     if not layer.is_initialized:
         return 0
-    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    element = DENSE_BYTES_PER_ELEMENT if which == "dense_nbytes" else layer.keys.element_size()
+    return (layer.keys.numel() + layer.values.numel()) * element

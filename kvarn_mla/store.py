@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant.scheme import Axis, TileScheme
-from .quant.attention import StreamView
+from .quant.attention import Layout, StreamView
 from .quant.tile import QuantizedTile, dequantize_tile, metadata_overflow
 
 GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
@@ -95,7 +95,7 @@ class GrowableTensor:
         return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
 
 
-class Stream:
+class Stream(Layout):
     """One stream: ``sink`` (full precision) | ``tiles`` (quantized) | ``tail`` (full precision), ``[B, H, T, D]``.
 
     New tokens fill the sink first, then the tail. `commit` replaces the full tiles at the front of the tail by their
@@ -124,17 +124,8 @@ class Stream:
         return self._tiles[0].length
 
     @property
-    def tail_start(self) -> int:
-        """Absolute position of the first tail token."""
-        return self.sink_length + self.num_tiles * self.scheme.tile_size
-
-    @property
     def tail_length(self) -> int:
         return self._tail.length
-
-    @property
-    def length(self) -> int:
-        return self.tail_start + self.tail_length
 
     @property
     def batch_size(self) -> int | None:

@@ -235,17 +235,18 @@ def _bh(t: torch.Tensor | None, device) -> tuple[torch.Tensor, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-def _tiled_args(view: StreamView, device) -> list:
+def _segment(view: StreamView | None, device) -> tuple[list, int, int, int]:
+    """A stream's kernel arguments (sink, tail, codes, scale, zero, gamma with their batch and head strides), its
+    kind (0: absent, 1: full precision from position 0 in ``sink``'s slot, 2: tiled), bits and packed row width."""
+    if view is None or not view.scheme.quantized:
+        empty = [*_empty(device)] * 3 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)]
+        return ([*_bh(view.tail, device), *empty[3:]], 1, 2, 1) if view is not None else (empty, 0, 2, 1)
     codes, scale, zero, gamma = view.tiles.parts() if view.num_tiles else (None,) * 4
     scale_t, a_sb, a_sh = _bh(scale, device)
     zero_t = zero if zero is not None and zero.numel() else scale_t
-    return [*_bh(view.sink, device), *_bh(view.tail, device), *_bh(codes, device),
-            scale_t, zero_t, a_sb, a_sh, *_bh(gamma, device)]
-
-
-def _absent(device) -> list:
-    """The arguments of a segment the kernel does not read."""
-    return [*_empty(device)] * 3 + [_empty(device)[0]] * 2 + [0, 0, *_empty(device)]
+    args = [*_bh(view.sink, device), *_bh(view.tail, device), *_bh(codes, device), scale_t, zero_t, a_sb, a_sh,
+            *_bh(gamma, device)]
+    return args, 2, view.scheme.bits, codes.shape[-1] if codes is not None else 1
 
 
 def kernel_supports(keys: Sequence[StreamView], values: StreamView | None) -> bool:
@@ -271,20 +272,11 @@ def tiled_attention(
     kv_start: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Fused attention over a quantized store; same contract as `kvarn_mla.quant.tiled_attention_reference`.
-
-    Args:
-        q: ``[B, Hkv, M, sum(key dims)]`` query rows (row ``m`` is query ``m % q_len``).
-        keys: One stream (dense K) or two (MLA latent, RoPE key); the first must be a quantized channel-axis stream.
-        values: The dense V stream (quantized, token axis), or None for ``keys[0]`` (the MLA latent).
-        scaling: Softmax scale.
-        q_len: Queries per row group; query ``s`` sits at position ``T - q_len + s`` (causal).
-        kv_start: Optional ``[B]`` first valid key position per row (left padding).
-        num_splits: How many splits share the quantized tiles (default: enough programs to fill the device).
-
-    Returns:
-        ``[B, Hkv, M, Dv]`` float32.
-    """
+    """Fused attention over a quantized store: the contract of `kvarn_mla.quant.tiled_attention_reference`
+    (``q [B, Hkv, M, sum(key dims)]`` -> ``[B, Hkv, M, Dv]`` float32) without an explicit mask, for a quantized
+    channel-axis first key (dense K or the MLA latent), an optional second key of any width (the MLA RoPE key),
+    and a quantized token-axis value stream or None (the latent is the value). ``num_splits`` splits share the
+    quantized tiles (default: enough programs to fill the device)."""
     if not kernel_supports(keys, values):
         raise ValueError(
             "tiled_attention needs a quantized channel-axis first key stream, an optional second key stream, and "
@@ -322,31 +314,20 @@ def tiled_attention(
     lse = torch.empty(batch, kv_heads, splits, rows, dtype=torch.float32, device=device)
     start = kv_start.to(device=device, dtype=torch.int32).contiguous() if kv_start is not None else _empty(device)[0]
 
-    if seg2 is None:
-        seg2_args, seg2_kind, bits2, p2 = _absent(device), 0, 2, 1
-    elif not seg2.scheme.quantized:  # full precision: every token in the view's tail, from position 0
-        seg2_args = [*_bh(seg2.tail, device)] + _absent(device)[3:]
-        seg2_kind, bits2, p2 = 1, 2, 1
-    else:
-        seg2_args, seg2_kind, bits2 = _tiled_args(seg2, device), 2, seg2.scheme.bits
-        p2 = seg2.tiles.codes.shape[-1] if seg2.num_tiles else 1
-    if value_is_seg1:
-        value_args, bitsv, pv = _absent(device), 2, 1
-    else:
-        value_args, bitsv = _tiled_args(value, device), value.scheme.bits
-        pv = value.tiles.codes.shape[-1] if value.num_tiles else 1
-    p1 = seg1.tiles.codes.shape[-1] if num_tiles else 1
+    seg1_args, _, bits1, p1 = _segment(seg1, device)
+    seg2_args, seg2_kind, bits2, p2 = _segment(seg2, device)
+    value_args, _, bitsv, pv = _segment(None if value_is_seg1 else value, device)
     dot = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(seg1.dtype, tl.float32)
     if device.type != "cuda":
         dot = tl.float32  # the interpreter computes dots in float32 anyway
     grid = (batch * kv_heads, splits, triton.cdiv(rows, block_m))
     _decode_kernel[grid](
         queries, start,
-        *_tiled_args(seg1, device), *seg2_args, *value_args,
+        *seg1_args, *seg2_args, *value_args,
         partial, lse,
         scaling, seg1.sink_length, num_tiles, seg1.tail_length, tiles_per_split, q_len,
         HKV=kv_heads, M=rows, D1=d1, D2=d2, DV=dv, G=seg1.scheme.tile_size, P1=p1, P2=p2, PV=pv,
-        BITS1=seg1.scheme.bits, BITS2=bits2, BITSV=bitsv, SEG2=seg2_kind, VALUE_IS_SEG1=value_is_seg1,
+        BITS1=bits1, BITS2=bits2, BITSV=bitsv, SEG2=seg2_kind, VALUE_IS_SEG1=value_is_seg1,
         HAS_START=kv_start is not None, BLOCK_M=block_m, BLOCK_N=32,
         BLOCK_D1=max(16, triton.next_power_of_2(d1)), BLOCK_D2=max(16, triton.next_power_of_2(max(d2, 1))),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), DOT=dot,

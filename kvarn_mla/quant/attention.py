@@ -21,8 +21,22 @@ from .tile import QuantizedTile
 BLOCK_ELEMENTS = 1 << 22  # elements of unpacked codes and products per block of a read (bounds the transient)
 
 
+class Layout:
+    """Positions of a stream ``sink | tiles | tail``, from its ``sink_length``, ``num_tiles``, ``tail_length`` and
+    ``scheme`` (shared by `StreamView` and the cache's runtime `kvarn_mla.store.Stream`)."""
+
+    @property
+    def tail_start(self) -> int:
+        """Absolute position of the first tail token."""
+        return self.sink_length + self.num_tiles * self.scheme.tile_size
+
+    @property
+    def length(self) -> int:
+        return self.tail_start + self.tail_length
+
+
 @dataclass(frozen=True)
-class StreamView:
+class StreamView(Layout):
     """One stream's stored tensors, as attention reads them: positions ``sink | tiles | tail``.
 
     Attributes:
@@ -51,16 +65,8 @@ class StreamView:
         return 0 if self.tiles is None else self.tiles.codes.shape[2]
 
     @property
-    def tail_start(self) -> int:
-        return self.sink_length + self.num_tiles * self.scheme.tile_size
-
-    @property
     def tail_length(self) -> int:
         return 0 if self.tail is None else self.tail.shape[2]
-
-    @property
-    def length(self) -> int:
-        return self.tail_start + self.tail_length
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
