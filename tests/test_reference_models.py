@@ -101,6 +101,26 @@ def test_recipe_phases_and_learning_rate():
     assert all(set(p.mix) <= set(tr.ROW_KINDS) for p in r.phases)
 
 
+def test_rope_base_raised_by_a_phase():
+    from dataclasses import replace
+
+    tr = _train_reference()
+    a, b = tr.SMOKE.phases[:2]
+    r = replace(tr.SMOKE, rope_theta=1e4, phases=(a, replace(b, rope_theta=5e5), tr.SMOKE.phases[2]))
+    assert [tr.rope_theta_at(r, i) for i in range(r.steps)] == [1e4] * a.steps + [5e5] * (r.steps - a.steps)
+    tok = type("Tok", (), {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1})()
+    model = tr.build_model(tr.build_config("gqa", r, tok)).eval()
+    ids = torch.randint(2, 512, (1, 64))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        tr.set_rope_theta(model, 5e5)
+        after = model(input_ids=ids).logits
+        fresh = tr.build_model(tr.build_config("gqa", replace(r, rope_theta=5e5), tok)).eval()
+        fresh.load_state_dict(model.state_dict())
+        torch.testing.assert_close(after, fresh(input_ids=ids).logits)  # same as a model built with that base
+    assert model.config.rope_parameters["rope_theta"] == 5e5 and not torch.allclose(before, after)
+
+
 def test_rows_of_every_kind(smoke_tokenizer):
     # Every document of a row is exactly what its source says (an item's tokens, an opening's prefix of them, a
     # code window); kinds mark what is trained on; position jumps stay within the phase's span.
@@ -123,7 +143,9 @@ def test_rows_of_every_kind(smoke_tokenizer):
                 assert kinds[0] == (tr.NO_LOSS if j else kinds[0])  # not predictable from the document before
                 if source[0] == "code":
                     body = tokens[1:] if j else tokens  # a top-up opens with end-of-text
-                    assert body == data.code[source[1] : source[1] + len(body)].tolist() and tokens[0] != tok.pad_token_id
+                    assert (
+                        body == data.code[source[1] : source[1] + len(body)].tolist() and tokens[0] != tok.pad_token_id
+                    )
                     assert set(kinds[1:]) == {tr.CODE} and set(off) == {0}
                 elif source[0] == "reasoning":
                     item = R.make_item(source[1], "train", min_rows=1, max_rows=phase.max_rows)
@@ -135,7 +157,15 @@ def test_rows_of_every_kind(smoke_tokenizer):
                 else:
                     context, seed, index = source[1:]
                     assert seed in RT.TRAIN_SEEDS
-                    item = RT.make_item(tok, context, seed, index)
+                    item = RT.make_item(
+                        tok,
+                        context,
+                        seed,
+                        index,
+                        chains=phase.chains,
+                        max_queries=phase.queries,
+                        tokens_per_fact=phase.tokens_per_fact,
+                    )
                     prompt, target = data.encode_item(item)
                     assert tokens == prompt + target and item.split == "train" and context in phase.retrieval
                     assert kinds[len(prompt) :] == [tr.RETRIEVAL] * len(target)
@@ -150,8 +180,19 @@ def test_rows_of_every_kind(smoke_tokenizer):
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"
-    common = ["--smoke", "--eval-items", "2", "--eval-retrieval-items", "1", "--eval-contexts", "640",
-              "--monitor-every", "0", "--run-dir", str(tmp_path / "run")]
+    common = [
+        "--smoke",
+        "--eval-items",
+        "2",
+        "--eval-retrieval-items",
+        "1",
+        "--eval-contexts",
+        "640",
+        "--monitor-every",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     metrics = train_reference.main(["mla", *common, "--out-dir", str(tmp_path / "ckpt"), "--results", str(results)])
     smoke = train_reference.SMOKE
     assert metrics["steps_done"] == smoke.steps == 6 and results.exists()
@@ -164,20 +205,45 @@ def test_training_script_smoke(tmp_path):
     assert code["nll_over_own_unigram_entropy"] == code["nll_per_token"] / code["own_unigram_entropy"]
     assert metrics["held_out_reasoning"]["n"] == 2 and metrics["held_out_retrieval"][0]["n"] == 1
     # Resuming from the saved state at the last step trains nothing more and gives the same history.
-    again = train_reference.main(["mla", *common, "--resume", "--out-dir", str(tmp_path / "ckpt2"), "--results",
-                                  str(tmp_path / "again.json"), "--eval-code-window", "0", "--eval-contexts", ""])
+    again = train_reference.main(
+        [
+            "mla",
+            *common,
+            "--resume",
+            "--out-dir",
+            str(tmp_path / "ckpt2"),
+            "--results",
+            str(tmp_path / "again.json"),
+            "--eval-code-window",
+            "0",
+            "--eval-contexts",
+            "",
+        ]
+    )
     assert again["history"] == metrics["history"]
     # --eval-only merges new retrieval contexts into the results file.
-    merged = train_reference.main(["mla", *common, "--eval-only", "--out-dir", str(tmp_path / "ckpt"), "--results",
-                                   str(results), "--eval-items", "0", "--eval-code-window", "0", "--eval-contexts",
-                                   "320"])
+    merged = train_reference.main(
+        [
+            "mla",
+            *common,
+            "--eval-only",
+            "--out-dir",
+            str(tmp_path / "ckpt"),
+            "--results",
+            str(results),
+            "--eval-items",
+            "0",
+            "--eval-code-window",
+            "0",
+            "--eval-contexts",
+            "320",
+        ]
+    )
     assert [r["context"] for r in merged["held_out_retrieval"]] == [320, 640]
 
 
 def test_accumulation_texts_of_the_reasoning_task():
     from kvarn_mla.evaluation.tasks import reasoning_chain_prompt, reasoning_text
-
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
     text = reasoning_text(tok, 1024)
@@ -197,6 +263,11 @@ def test_error_probe_places_every_target_token():
         sys.path.pop(0)
     row = R.ROW_TOKENS
     assert [place(i, 2) for i in (0, 1, 2, row - 2, row - 1)] == [
-        "first row counter", "first row counter", "first row cell", "first row cell", "first row break"]
+        "first row counter",
+        "first row counter",
+        "first row cell",
+        "first row cell",
+        "first row break",
+    ]
     assert place(row, 2) == "later row counter" and place(2 * row - 1, 2) == "later row break"  # <|answer|>
     assert place(2 * row, 2) == place(2 * row + 1, 2) == "answer / end of text"

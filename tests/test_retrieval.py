@@ -20,13 +20,22 @@ def tok():
     # trained on a few held-out files: the generator only needs token counts from it.
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=[*R.SPECIAL_TOKENS, *RT.SPECIAL_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=[*R.SPECIAL_TOKENS, *RT.SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator([f.text for f in D.read_code_files("held_out")[:20]] + [" ".join(RT.WORDS)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=R.EOS, pad_token=R.PAD,
-                                   additional_special_tokens=[*R.SPECIAL_TOKENS[2:], *RT.SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=R.EOS,
+        pad_token=R.PAD,
+        additional_special_tokens=[*R.SPECIAL_TOKENS[2:], *RT.SPECIAL_TOKENS],
+    )
 
 
 def _follow(item: RT.Item, key: str) -> list[str]:
@@ -63,8 +72,9 @@ def test_structure_chains_and_unique_lookups(tok):
             assert {f.key: f.value for f in it.facts}[chain[-1]] == answer and len(answer) == RT.VALUE_DIGITS
         # The target writes every fact on the way, in query order; each lookup's token sequence (key marker, key,
         # value marker) occurs exactly once before it, in the prompt.
-        want = "".join(RT.fact_text(k, v) for chain, a in zip(it.chains, it.answers)
-                       for k, v in zip(chain, [*chain[1:], a]))
+        want = "".join(
+            RT.fact_text(k, v) for chain, a in zip(it.chains, it.answers) for k, v in zip(chain, [*chain[1:], a])
+        )
         assert it.target == want
         key_id, value_id = tok.convert_tokens_to_ids(RT.KEY), tok.convert_tokens_to_ids(RT.VALUE)
         prompt = tok(it.prompt, add_special_tokens=False).input_ids
@@ -116,6 +126,16 @@ def test_seeds_outside_the_training_range_are_held_out_by_construction(tok):
         assert RT.KEY not in filler and held_code.startswith(filler, it.code_start)
 
 
+def test_denser_training_items_and_short_contexts(tok):
+    # A drill packs more chains and queries into an item; short contexts hold at most one fact per tokens_per_fact.
+    for index in range(10):
+        dense = RT.make_item(tok, 1024, 5, index, chains=(8, 16), max_queries=12, tokens_per_fact=40)
+        assert 8 <= sum(f.value.isdigit() for f in dense.facts) <= 16 and len(dense.facts) <= 1024 // 40
+        assert 1 <= len(dense.queries) <= 12 and RT.check(dense, dense.target)
+        short = RT.make_item(tok, 256, HELD_OUT_SEED, index)
+        assert len(short.facts) <= max(RT.MIN_CHAINS, 256 // RT.TOKENS_PER_FACT)
+
+
 def test_depths_spread_over_the_whole_context(tok):
     items = [RT.make_item(tok, 1024, HELD_OUT_SEED, i) for i in range(50)]
     deciles = RT.depth_histogram(items)
@@ -135,6 +155,8 @@ def test_bad_arguments(tok):
         RT.make_item(tok, 100, HELD_OUT_SEED, 0)
     with pytest.raises(ValueError, match="index"):
         RT.make_item(tok, 1024, HELD_OUT_SEED, -1)
+    with pytest.raises(ValueError, match="chains"):
+        RT.make_item(tok, 1024, HELD_OUT_SEED, 0, chains=(5, 4))
     plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
     with pytest.raises(ValueError, match="one token"):
         RT.make_item(plain, 1024, HELD_OUT_SEED, 0)
@@ -157,14 +179,35 @@ def test_eval_cli_scores_fresh_held_out_items(tok, tmp_path, capsys):
     assert not items[1].checks["numbers"](item.target.replace(RT.VALUE + item.answers[-1], RT.VALUE + "x"))
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     out = tmp_path / "retrieval.json"
-    args = ["eval", "--model", str(tmp_path / "model"), "--suite", "retrieval", "--context", "512", "--limit", "2",
-            "--presets", "bf16", "--out", str(out)]
+    args = [
+        "eval",
+        "--model",
+        str(tmp_path / "model"),
+        "--suite",
+        "retrieval",
+        "--context",
+        "512",
+        "--limit",
+        "2",
+        "--presets",
+        "bf16",
+        "--out",
+        str(out),
+    ]
     assert main([*args, "--seed", "3"]) == 2  # a training seed is refused
     assert "training seed" in capsys.readouterr().err
     assert main([*args, "--seed", str(HELD_OUT_SEED)]) == 0

@@ -75,8 +75,15 @@ MONITOR_START = 100_000  # monitoring evals use held-out reasoning items from he
 MONITOR_SEED = 10_000  # retrieval monitoring seed (held out); the reported evaluations use other seeds
 EVAL_SEED = 20_000  # retrieval seed of the final evaluation (held out)
 LONG_SCRATCHPAD = 2000  # generated tokens that make a reasoning item "long" in the reports
-ROW_KINDS = {"r": "reasoning items topped up with code", "o": "reasoning openings", "c": "one code window",
-             "k": "retrieval items"}
+ROW_KINDS = {
+    "r": "reasoning items topped up with code",
+    "o": "reasoning openings",
+    "c": "one code window",
+    "k": "retrieval items",
+}
+
+
+_HELD_OUT_DENSITY = ((retrieval.MIN_CHAINS, retrieval.MAX_CHAINS), retrieval.MAX_QUERIES, retrieval.TOKENS_PER_FACT)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,10 @@ class Phase:
         span: position interpolation by skipped positions (as PoSE): a retrieval item's position ids are
             spread over up to ``span`` positions by one or two random jumps (0: contiguous positions).
         weights: weights of the reasoning, code and retrieval groups in the loss (see :func:`training_loss`).
+        chains, queries, tokens_per_fact: density of the retrieval items (see :func:`retrieval.make_item`; the
+            held-out items use the defaults, a drill packs more lookups into an item).
+        rope_theta: RoPE base from this phase on (None: the recipe's ``rope_theta``), for length extension by
+            raising the base.
     """
 
     name: str
@@ -111,10 +122,32 @@ class Phase:
     retrieval: tuple[int, ...] = (512,)
     span: int = 0
     weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # loss weight of reasoning, code, retrieval (per kind)
+    chains: tuple[int, int] = _HELD_OUT_DENSITY[0]  # (the field ``retrieval`` shadows the module in this body)
+    queries: int = _HELD_OUT_DENSITY[1]
+    tokens_per_fact: int = _HELD_OUT_DENSITY[2]
+    rope_theta: float | None = None
 
     @property
     def rows(self) -> int:
         return len(self.mix)
+
+
+def rope_theta_at(r: "Recipe", step: int) -> float:
+    """RoPE base in effect at optimizer step ``step``: the last phase up to it that sets one, else the recipe's."""
+    theta, done = r.rope_theta, 0
+    for p in r.phases:
+        if done > step:
+            break
+        theta = p.rope_theta if p.rope_theta is not None else theta
+        done += p.steps
+    return theta
+
+
+def set_rope_theta(model: PreTrainedModel, theta: float) -> None:
+    """Give ``model`` the RoPE base ``theta`` (config and the rotary embedding's frequencies)."""
+    if model.config.rope_parameters["rope_theta"] != theta:
+        model.config.rope_parameters["rope_theta"] = theta
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
 
 
 @dataclass(frozen=True)
@@ -127,7 +160,7 @@ class Recipe:
     num_heads: int = 4  # head_dim 64: MLA's decoupled RoPE key is then 32 wide (16 frequencies); with 8
     #   heads (RoPE key 16 wide) the first MLA model never learned the reasoning lookup
     intermediate_size: int = 768
-    rope_theta: float = 500_000.0  # large base: the low frequencies barely turn over 16k positions
+    rope_theta: float = 100_000.0  # RoPE base (10x the first models'): slower low frequencies for long context
     max_positions: int = 16384
     phases: tuple[Phase, ...] = field(default_factory=tuple)
     opening_rows: int = 2  # rows of an item kept in an openings row
@@ -446,10 +479,22 @@ class Data:
                 fits = [c for c in phase.retrieval if c + 1 <= n - len(out.ids)]
                 if not fits:
                     break
-                item = retrieval.make_item(self.tok, rng.choice(fits), seed, g // len(retrieval.TRAIN_SEEDS) * 64 + j)
+                item = retrieval.make_item(
+                    self.tok,
+                    rng.choice(fits),
+                    seed,
+                    g // len(retrieval.TRAIN_SEEDS) * 64 + j,
+                    chains=phase.chains,
+                    max_queries=phase.queries,
+                    tokens_per_fact=phase.tokens_per_fact,
+                )
                 p, t = self.encode_item(item)
-                add(p + t, self.retrieval_kinds(item, p) + [RETRIEVAL] * len(t),
-                    ("retrieval", item.context, item.seed, item.index), self._positions(len(p) + len(t), phase.span, rng))
+                add(
+                    p + t,
+                    self.retrieval_kinds(item, p) + [RETRIEVAL] * len(t),
+                    ("retrieval", item.context, item.seed, item.index),
+                    self._positions(len(p) + len(t), phase.span, rng),
+                )
         else:
             raise ValueError(f"unknown row kind {letter!r}; expected one of {sorted(ROW_KINDS)}")
         fill = n - len(out.ids)
@@ -463,8 +508,12 @@ class Data:
         optimizer step ``step`` (0-based)."""
         phase, _ = self.r.phase_at(step)
         rows = [self.row(step, row, phase) for row in range(phase.rows)]
-        return (torch.tensor([r.ids for r in rows]), torch.tensor([r.kind for r in rows]),
-                torch.tensor([r.doc for r in rows]), torch.tensor([r.offset for r in rows]))
+        return (
+            torch.tensor([r.ids for r in rows]),
+            torch.tensor([r.kind for r in rows]),
+            torch.tensor([r.doc for r in rows]),
+            torch.tensor([r.offset for r in rows]),
+        )
 
 
 def doc_mask_and_positions(doc: torch.Tensor, offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,15 +679,17 @@ def eval_retrieval(
             pad_token_id=tok.pad_token_id,
         )
         text = tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=False)
-        records.append({
-            "index": it.index,
-            "exact": retrieval.check(it, text),
-            "answers": retrieval.check_answers(it, text),
-            "queries": len(it.queries),
-            "max_hops": max(len(c) for c in it.chains),
-            "answer_depths": [round(d, 4) for d in it.answer_depths],
-            "prompt_tokens": it.prompt_tokens,
-        })
+        records.append(
+            {
+                "index": it.index,
+                "exact": retrieval.check(it, text),
+                "answers": retrieval.check_answers(it, text),
+                "queries": len(it.queries),
+                "max_hops": max(len(c) for c in it.chains),
+                "answer_depths": [round(d, 4) for d in it.answer_depths],
+                "prompt_tokens": it.prompt_tokens,
+            }
+        )
     n = len(records)
     correct = sum(r["exact"] for r in records)
     lo, hi = wilson(correct, n)
@@ -651,8 +702,9 @@ def eval_retrieval(
         "correct": correct,
         "wilson95": [lo, hi],
         "answer_acc": float(np.mean([r["answers"] for r in records])),
-        "exact_by_max_hops": {h: sum(r["exact"] for r in records if r["max_hops"] == h) / k for h, k in
-                              sorted(by_hops.items())},
+        "exact_by_max_hops": {
+            h: sum(r["exact"] for r in records if r["max_hops"] == h) / k for h, k in sorted(by_hops.items())
+        },
         "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in records])),
         "answer_depth_deciles": retrieval.depth_histogram(retrieval.held_out_items(tok, context, seed, count)),
         "seconds": time.time() - t0,
@@ -745,6 +797,33 @@ def training_loss(
     return loss, {g: float(v.detach()) for g, v in means.items()}
 
 
+def same_schedule(saved: dict, r: Recipe, steps: int) -> bool:
+    """Whether a state saved under recipe ``saved`` (``asdict``, through JSON) after ``steps`` steps continues under
+    ``r``: everything but the phases equal, and the phases the same up to that step (a later phase may change, and
+    phases may be added, as the recipe grows in legs)."""
+    now = json.loads(json.dumps(asdict(r)))
+    if {k: v for k, v in saved.items() if k != "phases"} != {k: v for k, v in now.items() if k != "phases"}:
+        return False
+    done = 0
+    for old, new in zip(saved["phases"], now["phases"]):
+        if done + old["steps"] >= steps:  # the phase the state is in: same layout, same schedule up to the state
+            same_lr = all(
+                Recipe(phases=(Phase(**_phase(old)),)).lr_at(i) == Recipe(phases=(Phase(**_phase(new)),)).lr_at(i)
+                for i in range(steps - done)
+            )
+            return same_lr and {k: v for k, v in old.items() if k not in ("steps", "final_lr")} == {
+                k: v for k, v in new.items() if k not in ("steps", "final_lr")
+            }
+        if old != new:
+            return False
+        done += old["steps"]
+    return done >= steps
+
+
+def _phase(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
 def evaluate(model: PreTrainedModel, data: Data, args: argparse.Namespace, smoke: bool) -> dict[str, object]:
     """Final held-out evaluation of the shipped checkpoint: code NLL, reasoning and retrieval exact match."""
     out: dict[str, object] = {}
@@ -757,22 +836,33 @@ def evaluate(model: PreTrainedModel, data: Data, args: argparse.Namespace, smoke
         items = reasoning.held_out_items(args.eval_items)
         out["held_out_reasoning"] = {
             **eval_reasoning(model, data, items, max_new_tokens=16 if smoke else None),
-            "task": {"modulus": reasoning.MODULUS, "width": reasoning.WIDTH, "min_rows": reasoning.MIN_ROWS,
-                     "max_rows": reasoning.MAX_ROWS},
+            "task": {
+                "modulus": reasoning.MODULUS,
+                "width": reasoning.WIDTH,
+                "min_rows": reasoning.MIN_ROWS,
+                "max_rows": reasoning.MAX_ROWS,
+            },
             "decoding": "greedy, batched with left padding, DynamicCache, bf16 checkpoint computed in float32",
         }
         r = out["held_out_reasoning"]
-        print(f"[{args.name}] reasoning EM {r['exact_match']:.3f} ({r['correct']}/{r['n']}), "
-              f"{LONG_SCRATCHPAD}+ tokens {r[f'correct_{LONG_SCRATCHPAD}_plus_tokens']}/"
-              f"{r[f'items_{LONG_SCRATCHPAD}_plus_tokens']}", flush=True)
+        print(
+            f"[{args.name}] reasoning EM {r['exact_match']:.3f} ({r['correct']}/{r['n']}), "
+            f"{LONG_SCRATCHPAD}+ tokens {r[f'correct_{LONG_SCRATCHPAD}_plus_tokens']}/"
+            f"{r[f'items_{LONG_SCRATCHPAD}_plus_tokens']}",
+            flush=True,
+        )
     runs = []
     for context in args.eval_contexts:
         if args.eval_retrieval_items:
-            res = eval_retrieval(model, data.tok, context, args.eval_seed, args.eval_retrieval_items,
-                                 max_new_tokens=4 if smoke else None)
+            res = eval_retrieval(
+                model, data.tok, context, args.eval_seed, args.eval_retrieval_items, max_new_tokens=4 if smoke else None
+            )
             runs.append(res)
-            print(f"[{args.name}] retrieval @{context}: EM {res['exact_match']:.3f} ({res['correct']}/{res['n']}), "
-                  f"answers {res['answer_acc']:.3f}, {res['seconds']:.0f}s", flush=True)
+            print(
+                f"[{args.name}] retrieval @{context}: EM {res['exact_match']:.3f} ({res['correct']}/{res['n']}), "
+                f"answers {res['answer_acc']:.3f}, {res['seconds']:.0f}s",
+                flush=True,
+            )
     if runs:
         out["held_out_retrieval"] = runs
     out["eval_seconds"] = time.time() - t0
@@ -789,19 +879,30 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--run-dir", type=Path, help="log/resume dir (default runs/<name>)")
     ap.add_argument("--tokenizer-dir", type=Path, help="tokenizer cache (default runs/tokenizer)")
     ap.add_argument("--resume", action="store_true", help="continue from run-dir/state.pt if present")
-    ap.add_argument("--eval-only", action="store_true",
-                    help="evaluate the checkpoint in --out-dir and merge the evaluations into --results (no training)")
+    ap.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate the checkpoint in --out-dir and merge the evaluations into --results (no training)",
+    )
     ap.add_argument("--eval-items", type=int, default=100, help="held-out reasoning items (0: skip)")
     ap.add_argument("--eval-retrieval-items", type=int, default=100, help="held-out retrieval items per context")
-    ap.add_argument("--eval-contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[2048, 4096, 8192,
-                    16384], help="retrieval contexts, comma-separated (default 2048,4096,8192,16384; empty: skip)")
+    ap.add_argument(
+        "--eval-contexts",
+        type=lambda s: [int(c) for c in s.split(",") if c],
+        default=[2048, 4096, 8192, 16384],
+        help="retrieval contexts, comma-separated (default 2048,4096,8192,16384; empty: skip)",
+    )
     ap.add_argument("--eval-seed", type=int, default=EVAL_SEED, help="held-out retrieval seed")
     ap.add_argument("--eval-code-window", type=int, default=2048, help="tokens per code window (0: skip)")
     ap.add_argument("--eval-code-tokens", type=int, help="cap on held-out code tokens scored (default all)")
     ap.add_argument("--monitor-every", type=int, default=100, help="steps between quick held-out evals (0: off)")
     ap.add_argument("--monitor-items", type=int, default=16)
-    ap.add_argument("--monitor-contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[1024, 4096],
-                    help="retrieval contexts of the quick evals")
+    ap.add_argument(
+        "--monitor-contexts",
+        type=lambda s: [int(c) for c in s.split(",") if c],
+        default=[1024, 4096],
+        help="retrieval contexts of the quick evals",
+    )
     ap.add_argument("--save-every", type=int, default=25, help="steps between resumable states")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -844,15 +945,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     # One weight-decay group over all parameters: with norm gains and biases exempted (the usual split) the
     # first models' reasoning lookup never formed in two task-phase runs, while every probe with one group did.
-    opt = torch.optim.AdamW(model.parameters(), lr=r.lr_at(0), betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=r.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr_at(0), betas=(0.9, 0.95), eps=1e-8, weight_decay=r.weight_decay)
     state_path = run_dir / "state.pt"
     start, train_seconds, history = 0, 0.0, []
     seen = {"input_tokens": 0, "loss_tokens": 0} | {f"{k}_tokens": 0 for k in KIND_NAMES.values()}
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        if st["recipe"] != json.loads(json.dumps(asdict(r))):
-            raise ValueError(f"{state_path} was written by a different recipe: {st['recipe']}")
+        if not same_schedule(st["recipe"], r, st["step"]):
+            raise ValueError(
+                f"{state_path} was written by a recipe whose first {st['step']} steps differ: {st['recipe']}"
+            )
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         start, train_seconds, history, seen = st["step"], st["train_seconds"], st["history"], st["seen"]
@@ -860,13 +962,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"[{args.name}] resumed at step {start}", flush=True)
 
     monitor = reasoning.held_out_items(args.monitor_items, start=MONITOR_START)
-    monitor_retrieval = {c: retrieval.held_out_items(tok, c, MONITOR_SEED, args.monitor_items // 2)
-                         for c in args.monitor_contexts}
+    monitor_retrieval = {
+        c: retrieval.held_out_items(tok, c, MONITOR_SEED, args.monitor_items // 2) for c in args.monitor_contexts
+    }
     stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
     for step in range(start, stop):
         model.train()
         t0 = time.time()
         phase, _ = r.phase_at(step)
+        set_rope_theta(model, rope_theta_at(r, step))
         for g in opt.param_groups:
             g["lr"] = r.lr_at(step)
         seq, kind, doc, offset = data.batch(step)
@@ -889,14 +993,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         seen["loss_tokens"] += int((kind != NO_LOSS).sum())
         for k, name in KIND_NAMES.items():
             seen[f"{name}_tokens"] += int((kind == k).sum())
-        rec = {"step": step + 1, "phase": phase.name, "loss": float(loss), **{f"loss_{g}": v for g, v in means.items()},
-               "lr": r.lr_at(step), "grad_norm": gnorm, "sec": dt}
+        rec = {
+            "step": step + 1,
+            "phase": phase.name,
+            "loss": float(loss),
+            **{f"loss_{g}": v for g, v in means.items()},
+            "lr": r.lr_at(step),
+            "grad_norm": gnorm,
+            "sec": dt,
+        }
         if args.monitor_every and (step + 1) % args.monitor_every == 0:
             t_mon = time.time()
             rec.update(teacher_forced(model, data, monitor))
             for c, items in monitor_retrieval.items():
                 m = retrieval_teacher_forced(model, data, items)
-                rec[f"retrieval_{c}_tf_all"], rec[f"retrieval_{c}_tf_token"] = m["tf_items_all_right"], m["tf_token_acc"]
+                rec[f"retrieval_{c}_tf_all"], rec[f"retrieval_{c}_tf_token"] = (
+                    m["tf_items_all_right"],
+                    m["tf_token_acc"],
+                )
             rec["monitor_sec"] = time.time() - t_mon
         history.append(rec)
         print(
@@ -906,8 +1020,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"train {train_seconds / 60:.1f}min"
             + (
                 f" | reasoning tf cell {rec['tf_acc_cell']:.3f} all {rec['tf_items_all_right']:.3f} | retrieval tf "
-                + " ".join(f"@{c} {rec[f'retrieval_{c}_tf_all']:.2f}/{rec[f'retrieval_{c}_tf_token']:.3f}"
-                           for c in monitor_retrieval)
+                + " ".join(
+                    f"@{c} {rec[f'retrieval_{c}_tf_all']:.2f}/{rec[f'retrieval_{c}_tf_token']:.3f}"
+                    for c in monitor_retrieval
+                )
                 + f" ({rec['monitor_sec']:.0f}s)"
                 if "monitor_sec" in rec
                 else ""

@@ -19,7 +19,8 @@ Facts form *chains* ``k1 -> k2 -> ... -> number`` of 1..``MAX_HOPS`` facts: a on
 associative recall, a longer one variable tracking (the model resolves one hop per written fact, so every hop
 is the same lookup). Each key is defined by exactly one fact, so the token sequence ``<|key|> w<|value|>`` of a
 lookup occurs exactly once earlier in the prompt. Items hold 4..8 chains, 1..4 of them queried; chains that are
-not queried are distractors. :func:`check` demands the whole target; :func:`check_answers` scores the numbers.
+not queried are distractors (short contexts hold fewer facts, see :data:`TOKENS_PER_FACT`). :func:`check` demands the
+whole target; :func:`check_answers` scores the numbers.
 
 Splits and seeds. An item is a pure function of ``(tokenizer, context, seed, index)``. Seeds in
 :data:`TRAIN_SEEDS` make training items; every other seed makes held-out items. The two never share content,
@@ -51,6 +52,7 @@ __all__ = [
     "MAX_HOPS",
     "MAX_QUERIES",
     "MIN_CHAINS",
+    "TOKENS_PER_FACT",
     "QUERY",
     "SPECIAL_TOKENS",
     "TRAIN_SEEDS",
@@ -81,6 +83,7 @@ TRAIN_SEEDS = range(0, 1000)  # training items use these seeds only; any other s
 MIN_CHAINS, MAX_CHAINS = 4, 8
 MAX_QUERIES = 4
 MAX_HOPS = 3  # facts per chain
+TOKENS_PER_FACT = 64  # short contexts hold fewer facts: at most one per this many tokens (no limit from 1,536 on)
 
 # Keys: lowercase words that the reference tokenizer (byte-level BPE on the stdlib code) keeps as one token
 # with their leading space; tests/test_reference_models.py checks that for the bundled tokenizer.
@@ -210,10 +213,20 @@ def _code_stream(split: str) -> tuple[str, tuple[int, ...]]:
     return text, tuple(starts)
 
 
-def _chains(rng: random.Random, split: str) -> tuple[list[list[str]], list[str], list[int]]:
-    """Draw chains of keys, each ending in a number, and the queried chains (indices)."""
-    num_chains = rng.randint(MIN_CHAINS, MAX_CHAINS)
+def _chains(
+    rng: random.Random, split: str, context: int, chains: tuple[int, int], max_queries: int, tokens_per_fact: int
+) -> tuple[list[list[str]], list[str], list[int]]:
+    """Draw chains of keys, each ending in a number, and the queried chains (indices); at most one fact per
+    ``tokens_per_fact`` tokens of context (longer chains are shortened first)."""
+    num_chains = rng.randint(*chains)
     hops = [rng.choice((1, 1) + tuple(range(2, MAX_HOPS + 1))) for _ in range(num_chains)]  # half one-fact chains
+    limit = max(chains[0], context // tokens_per_fact)
+    while sum(hops) > limit:
+        if max(hops) > 1:
+            hops[hops.index(max(hops))] -= 1
+        else:
+            hops.pop()
+    num_chains = len(hops)
     words = rng.sample(WORDS, sum(hops))
     values = _values(split)
     numbers = []
@@ -225,7 +238,7 @@ def _chains(rng: random.Random, split: str) -> tuple[list[list[str]], list[str],
     for h in hops:
         chains.append(words[at : at + h])
         at += h
-    queried = rng.sample(range(num_chains), rng.randint(1, min(MAX_QUERIES, num_chains)))
+    queried = rng.sample(range(num_chains), rng.randint(1, min(max_queries, num_chains)))
     return chains, numbers, queried
 
 
@@ -239,7 +252,17 @@ def _line_ends(text: str, lo: int, hi: int) -> list[int]:
     return out
 
 
-def make_item(tokenizer, context: int, seed: int, index: int, *, max_tries: int = 8) -> Item:
+def make_item(
+    tokenizer,
+    context: int,
+    seed: int,
+    index: int,
+    *,
+    chains: tuple[int, int] = (MIN_CHAINS, MAX_CHAINS),
+    max_queries: int = MAX_QUERIES,
+    tokens_per_fact: int = TOKENS_PER_FACT,
+    max_tries: int = 8,
+) -> Item:
     """Build item ``index`` of ``seed`` at ``context`` tokens, deterministically.
 
     Args:
@@ -248,6 +271,9 @@ def make_item(tokenizer, context: int, seed: int, index: int, *, max_tries: int 
         context: token budget of prompt + target, at least 256.
         seed: :data:`TRAIN_SEEDS` for training items, any other integer for held-out items.
         index: item number, ``>= 0``.
+        chains, max_queries, tokens_per_fact: how many chains (least, most), queries and facts per token an item
+            holds. Held-out items always use the defaults (:data:`MIN_CHAINS`.. :data:`MAX_CHAINS`,
+            :data:`MAX_QUERIES`, :data:`TOKENS_PER_FACT`); training may drill on denser items.
         max_tries: attempts at trimming the filler if the assembled prompt tokenizes longer than planned.
 
     Returns:
@@ -263,12 +289,19 @@ def make_item(tokenizer, context: int, seed: int, index: int, *, max_tries: int 
             raise ValueError(f"the tokenizer does not keep {t!r} as one token; use the reference models' tokenizer")
     split = seed_split(seed)
     rng = random.Random(f"retrieval/{seed}/{context}/{index}")
-    chains, numbers, queried = _chains(rng, split)
-    facts = [(c[h], c[h + 1] if h + 1 < len(c) else numbers[i]) for i, c in enumerate(chains) for h in range(len(c))]
+    if not 1 <= chains[0] <= chains[1] or max_queries < 1 or tokens_per_fact < 1:
+        raise ValueError(
+            f"need 1 <= chains[0] <= chains[1], max_queries >= 1, tokens_per_fact >= 1, got {chains=}, "
+            f"{max_queries=}, {tokens_per_fact=}"
+        )
+    chain_keys, numbers, queried = _chains(rng, split, context, chains, max_queries, tokens_per_fact)
+    facts = [
+        (c[h], c[h + 1] if h + 1 < len(c) else numbers[i]) for i, c in enumerate(chain_keys) for h in range(len(c))
+    ]
     rng.shuffle(facts)
     depths = sorted(rng.random() for _ in facts)  # uniform over the whole context
-    queries = [chains[i][0] for i in queried]
-    target = "".join(fact_text(k, v) for i in queried for k, v in zip(chains[i], chains[i][1:] + [numbers[i]]))
+    queries = [chain_keys[i][0] for i in queried]
+    target = "".join(fact_text(k, v) for i in queried for k, v in zip(chain_keys[i], chain_keys[i][1:] + [numbers[i]]))
     tail = QUERY + "".join(" " + q for q in queries) + ANSWER
 
     def count(text: str) -> int:
@@ -323,7 +356,7 @@ def make_item(tokenizer, context: int, seed: int, index: int, *, max_tries: int 
         split=split,
         facts=tuple(Fact(k, v, p / len(ids)) for (k, v), p in zip(facts, key_positions)),
         queries=tuple(queries),
-        chains=tuple(tuple(chains[i]) for i in queried),
+        chains=tuple(tuple(chain_keys[i]) for i in queried),
         answers=tuple(numbers[i] for i in queried),
         prompt=prompt,
         target=target,
