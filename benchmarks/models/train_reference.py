@@ -160,7 +160,7 @@ class Recipe:
     num_heads: int = 4  # head_dim 64: MLA's decoupled RoPE key is then 32 wide (16 frequencies); with 8
     #   heads (RoPE key 16 wide) the first MLA model never learned the reasoning lookup
     intermediate_size: int = 768
-    rope_theta: float = 100_000.0  # RoPE base (10x the first models'): slower low frequencies for long context
+    rope_theta: float = 10_000.0  # RoPE base of the short phases (a phase may raise it, see Phase.rope_theta)
     max_positions: int = 16384
     phases: tuple[Phase, ...] = field(default_factory=tuple)
     opening_rows: int = 2  # rows of an item kept in an openings row
@@ -194,10 +194,29 @@ class Recipe:
 
 FULL = Recipe(
     phases=(
-        Phase("warm", 400, 512, "rrrk", 2e-3, 2e-3, warmup=50, max_rows=16, retrieval=(512,), weights=(1.0, 0.1, 0.3)),
-        Phase("main", 800, 2560, "rk", 2e-3, 2e-4, max_rows=99, retrieval=(1024, 1536, 2560), span=16384),
-        Phase("long", 60, 8192, "k", 2e-4, 2e-4, retrieval=(4096, 8192)),
-        Phase("anneal", 300, 2560, "ok", 2e-4, 2e-5, max_rows=99, retrieval=(1024, 2560), span=16384),
+        # The fixed-offset lookup of the reasoning task forms first (~150-300 steps): reasoning rows, code top-up at a
+        # tenth of the weight (pilots: with retrieval rows at equal weight, or a RoPE base of 1e5 or 5e5, the MLA
+        # model had not formed it after 350-400 steps)
+        Phase("warm", 300, 512, "rrrr", 2e-3, 2e-3, warmup=50, max_rows=16, weights=(1.0, 0.1, 1.0)),
+        # then a retrieval drill: dense items (12-20 chains, up to 16 queries); pilots at the default density learned
+        # no lookup in 300-375 steps (only the format tokens), a few dozen lookups a step being too few
+        Phase(
+            "drill",
+            300,
+            1024,
+            "rkkk",
+            2e-3,
+            2e-3,
+            max_rows=40,
+            retrieval=(1024,),
+            weights=(1.0, 0.3, 1.0),
+            chains=(12, 20),
+            queries=16,
+            tokens_per_fact=32,
+        ),
+        Phase("main", 450, 2560, "rk", 1.5e-3, 2e-4, max_rows=99, retrieval=(1024, 1536, 2560)),
+        Phase("long", 60, 8192, "k", 3e-4, 3e-4, retrieval=(8192,), rope_theta=200_000.0),
+        Phase("anneal", 200, 2560, "ok", 2e-4, 2e-5, max_rows=99, retrieval=(1024, 2560), span=16384),
     )
 )
 

@@ -309,10 +309,10 @@ def make_item(
 
     target_tokens = count(target)
     budget = context - target_tokens - count(tail) - sum(count(fact_text(k, v)) for k, v in facts)
-    if budget < 16 * len(facts):
+    if budget < 8 * len(facts):
         raise ValueError(f"context {context} is too short for {len(facts)} facts and the query")
     stream, starts = _code_stream(split)
-    for _ in range(100):  # a window with fewer line ends than facts (a data table, say) is drawn again
+    for _ in range(100):  # a window with too few line ends for the facts (a data table, say) is drawn again
         code_start = starts[rng.randrange(len(starts))]
         chunk = stream[code_start : code_start + 8 * budget + 4096]
         if len(chunk) < 8 * budget:  # near the end of the stream: wrap around to its start
@@ -320,10 +320,10 @@ def make_item(
         offsets = tokenizer(chunk, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
         if len(offsets) < budget:
             raise ValueError(f"the {split} code has too little text for {context} tokens")
-        if len(_line_ends(chunk, 0, offsets[budget - 1][1])) >= 2 * len(facts):
+        if len(_line_ends(chunk, 0, offsets[budget - 1][1])) >= len(facts):
             break
     else:
-        raise RuntimeError(f"no code window with {2 * len(facts)} line ends for item {seed}/{index}")
+        raise RuntimeError(f"no code window with {len(facts)} line ends for item {seed}/{index}")
     for _ in range(max_tries):
         filler = chunk[: offsets[budget - 1][1]]
         slots = _line_ends(filler, 0, len(filler))
