@@ -199,21 +199,23 @@ def _describe(x) -> str:
 
 
 def flush_layers(layers, token_valid: torch.Tensor | None = None) -> None:
-    """Quantize every full tile of a cache's layers: one store call per stream slot, for all layers at once.
+    """Quantize every full tile of a cache's layers: one store call per stream slot and device, for all layers.
 
     The layers share one config and one backend; a cache built without a backend (from a model config) resolves
     it here, once, for the device of the data.
     """
     layers = [layer for layer in layers if getattr(layer, "is_kvarn", False)]
     for slot in range(2):
-        streams = [layer.streams[slot] for layer in layers if layer.streams[slot].pending_tiles()]
-        if not streams:
-            continue
-        if layers[0].backend is None:
-            backend = resolve_backend(layers[0].config.backend, streams[0].view().tail.device)
-            for layer in layers:
-                layer.backend = backend
-        flush_streams(streams, layers[0].backend.store, token_valid)
+        by_device: dict[torch.device, list[Stream]] = {}  # layers placed on several devices (device_map)
+        for layer in layers:
+            if layer.streams[slot].pending_tiles():
+                by_device.setdefault(layer.streams[slot].device, []).append(layer.streams[slot])
+        for device, streams in by_device.items():
+            if layers[0].backend is None:
+                backend = resolve_backend(layers[0].config.backend, device)
+                for layer in layers:
+                    layer.backend = backend
+            flush_streams(streams, layers[0].backend.store, token_valid)
 
 
 QUANTIZED_LAYER_TYPES = ("full_attention", "indexed_attention")
@@ -237,7 +239,7 @@ class KVarNCache(Cache):
     """
 
     def __init__(self, model: PreTrainedModel | PretrainedConfig, config: KVarNConfig | str | None = None):
-        backend = None
+        backend, kv_heads = None, None
         if isinstance(model, PreTrainedModel):
             binding = find_binding(model)
             if binding is None:
@@ -246,7 +248,7 @@ class KVarNCache(Cache):
                     "attention would not read the quantized store"
                 )
             config = binding.config if config is None else config
-            backend = binding.backend
+            backend, kv_heads = binding.backend, binding.kv_heads
             model_config = model.config
         elif isinstance(model, PretrainedConfig):
             model_config = model
@@ -256,7 +258,7 @@ class KVarNCache(Cache):
         if backend is not None and backend.name != self.config.backend and self.config.backend != "auto":
             backend = None  # a config of another backend than the patch's: resolved at the first flush
         text_config = model_config.get_text_config(decoder=True)
-        specs = layer_specs(model_config, self.config)
+        specs = layer_specs(model_config, self.config, kv_heads)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = []
         for layer_type, kwargs in zip(layer_types, layer_kwargs):

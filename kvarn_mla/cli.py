@@ -36,19 +36,27 @@ def _presets(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .adapters import layer_specs
     from .archs import load_config
-    from .plan import bits_label, family_label, format_bytes, parameter_count, parse_memory, plan, weight_bytes
+    from .plan import (bits_label, family_label, format_bytes, parameter_count, parse_memory, plan, tp_kv_heads,
+                       weight_bytes)
 
     memory = parse_memory(args.memory)
     model_config = load_config(args.model)
     family = family_label(model_config)  # unsupported model types stop here, with the supported list
-    rows = plan(model_config, memory, args.batch, args.context, args.preset, dtype_bytes=args.dtype_bytes)
+    rows = plan(model_config, memory, args.batch, args.context, args.preset, dtype_bytes=args.dtype_bytes, tp=args.tp)
     text_config = model_config.get_text_config(decoder=True)
-    parameters, weights = parameter_count(model_config), weight_bytes(model_config, args.dtype_bytes)
+    parameters, weights = parameter_count(model_config, args.tp), weight_bytes(model_config, args.dtype_bytes, args.tp)
     max_positions = getattr(text_config, "max_position_embeddings", None)
     free = memory - weights
     positions = f", max_position_embeddings {max_positions}" if max_positions else ""
     print(f"model    {args.model}: {model_config.model_type}, {family} attention, "
           f"{text_config.num_hidden_layers} layers{positions}")
+    if args.tp > 1:
+        kv_heads = tp_kv_heads(model_config, args.tp)
+        cache = ("the MLA latent and RoPE key are replicated on every rank" if family == "MLA" else
+                 f"{kv_heads} kv head{'s' * (kv_heads != 1)} per rank" if kv_heads else
+                 "attention is replicated by the model's TP plan")
+        print(f"per rank of --tp {args.tp} (transformers' tp_plan='auto'): --memory is one device's; weights are "
+              f"this rank's share; {cache}")
     print(f"weights  {parameters:,} parameters x {args.dtype_bytes:g} B = {weights:,} B ({format_bytes(weights)})")
     if free < 0:
         hint = "; for FP8 weights use --dtype-bytes 1" if args.dtype_bytes > 1 else ""
@@ -189,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "the 16-bit row is always shown")
     planner.add_argument("--dtype-bytes", type=float, default=2,
                          help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
+    planner.add_argument("--tp", type=int, default=1,
+                         help="tensor-parallel ranks: weights, KV bytes and capacity per rank, --memory per device "
+                              "(default: 1)")
     planner.set_defaults(run=_plan)
 
     bench = commands.add_parser("bench", help="decode/prefill time, memory and store cost, patched vs stock (CPU)")

@@ -131,7 +131,8 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
     state = PatchState(config, adapter, modules, text_config, previous)
     description = _describe(config, adapter, text_config)
     for module in modules:
-        module.__dict__[BINDING_ATTR] = AttentionBinding(adapter, config, backend, fallback)
+        module.__dict__[BINDING_ATTR] = AttentionBinding(adapter, config, backend, fallback,
+                                                         adapter.local_kv_heads(module))
         adapter.prepare(module)
         module.extra_repr = types.MethodType(lambda self: description, module)
         state.handles.append(module.register_forward_pre_hook(_stash_cache, with_kwargs=True))

@@ -44,6 +44,7 @@ def expected_nbytes(
     tokens: int,
     batch: int = 1,
     element_size: int = 2,
+    kv_heads: int | None = None,
 ) -> int:
     """Bytes a `KVarNCache` holds after ``tokens`` tokens, computed from the layout (what `KVarNCache.nbytes`
     reports once every full tile is flushed), without building tensors.
@@ -54,10 +55,11 @@ def expected_nbytes(
         tokens: Context length T.
         batch: Sequences in the batch.
         element_size: Bytes per element of the model dtype (sink, tail, unquantized streams).
+        kv_heads: A dense model's kv heads per tensor-parallel rank (`tp_kv_heads`); None: the config's.
     """
     config = resolve_config(config)
     text_config = model_config.get_text_config(decoder=True)
-    specs = layer_specs(model_config, config)
+    specs = layer_specs(model_config, config, kv_heads)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     sink = min(tokens, config.sink_tokens)
     tiles = (tokens - sink) // config.tile_size if sink == config.sink_tokens else 0
@@ -147,11 +149,13 @@ def format_bytes(nbytes: int | float) -> str:
     return f"{value:.{2 if abs(value) < 10 else 1 if abs(value) < 100 else 0}f} {unit}"
 
 
-_PARAMETER_COUNTS: dict[str, int] = {}
+_PARAMETERS: dict[str, tuple[dict[str, int], dict[str, str]]] = {}
 
 
-def parameter_count(model_config: PretrainedConfig) -> int:
-    """The exact number of parameters of the transformers class for ``model_config``.
+def parameter_count(model_config: PretrainedConfig, tp: int = 1) -> int:
+    """The exact number of parameters of the transformers class for ``model_config``; with ``tp > 1``, those one
+    rank of tensor parallelism holds under the class's own TP plan (sharded weights divided, rounded up per tensor;
+    everything else replicated).
 
     The model is built on the meta device (no memory, well under a second even for DeepSeek-V3), as a causal LM,
     else as an image-text-to-text model (vision-language wrappers such as Kimi-K2.5 count their vision tower too),
@@ -161,12 +165,42 @@ def parameter_count(model_config: PretrainedConfig) -> int:
         ValueError: when transformers has no class for the config's ``model_type`` or cannot build it.
     """
     key = model_config.to_json_string(use_diff=False)
-    if key not in _PARAMETER_COUNTS:
-        _PARAMETER_COUNTS[key] = _count_parameters(model_config)
-    return _PARAMETER_COUNTS[key]
+    if key not in _PARAMETERS:
+        _PARAMETERS[key] = _parameters(model_config)
+    sizes, tp_plan = _PARAMETERS[key]
+    return sum(-(-numel // tp) if _sharded(name, tp_plan) else numel for name, numel in sizes.items())
 
 
-def _count_parameters(model_config: PretrainedConfig) -> int:
+def _sharded(name: str, tp_plan: dict[str, str]) -> bool:
+    """Whether a TP plan splits parameter ``name``: a colwise/rowwise style on it or on its module (the bias of a
+    rowwise layer stays replicated)."""
+    for pattern, style in tp_plan.items():
+        regex = re.escape(pattern).replace(r"\*", r"[^.]+")
+        if re.fullmatch(rf"{regex}(\..+)?", name) and ("colwise" in style or "rowwise" in style):
+            return not (style.endswith("rowwise") and name.endswith(".bias"))
+    return False
+
+
+def tp_kv_heads(model_config: PretrainedConfig, tp: int) -> int | None:
+    """A dense model's kv heads per rank when its TP plan shards ``k_proj`` (None for MLA, whose latent is
+    replicated, and for ``tp == 1``).
+
+    Raises:
+        ValueError: when ``tp`` does not divide the kv heads of a model whose attention it would shard.
+    """
+    key, _ = layer_specs(model_config, UNQUANTIZED)
+    if tp == 1 or key.name != "key":
+        return None
+    parameter_count(model_config)  # builds the meta model once, for its TP plan
+    _, tp_plan = _PARAMETERS[model_config.to_json_string(use_diff=False)]
+    if not any(pattern.endswith("self_attn.k_proj") and "colwise" in style for pattern, style in tp_plan.items()):
+        return None
+    if key.num_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide the {key.num_heads} kv heads of this model")
+    return key.num_heads // tp
+
+
+def _parameters(model_config: PretrainedConfig) -> tuple[dict[str, int], dict[str, str]]:
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel):
@@ -177,24 +211,25 @@ def _count_parameters(model_config: PretrainedConfig) -> int:
             except Exception as error:  # any failure to build means no count; say which model and why
                 raise ValueError(f"cannot build {auto_class.__name__} for model_type {model_config.model_type!r} "
                                  f"on the meta device to count its parameters: {error}") from error
-            # parameters() yields a tied (shared) tensor once, so tied embeddings count once.
-            return sum(p.numel() for p in model.parameters())
+            # named_parameters() yields a tied (shared) tensor once, so tied embeddings count once.
+            return {name: p.numel() for name, p in model.named_parameters()}, dict(model._tp_plan or {})
     raise ValueError(f"transformers has no model class for model_type {model_config.model_type!r}")
 
 
-def weight_bytes(model_config: PretrainedConfig, dtype_bytes: float = 2) -> int:
-    """Bytes of the model weights: `parameter_count` × ``dtype_bytes``, rounded up.
+def weight_bytes(model_config: PretrainedConfig, dtype_bytes: float = 2, tp: int = 1) -> int:
+    """Bytes of the model weights (on one rank of ``tp``): `parameter_count` × ``dtype_bytes``, rounded up.
 
     Args:
         model_config: The model config.
         dtype_bytes: Bytes per parameter: 2 for bf16/fp16, 1 for FP8 (DeepSeek-V3's published weights), 0.5 for
             4-bit weights (quantization scales not counted).
+        tp: Tensor-parallel ranks.
 
     Raises:
         ValueError: when ``dtype_bytes`` is not a positive number.
     """
     _check_dtype_bytes(dtype_bytes)
-    return math.ceil(parameter_count(model_config) * Fraction(str(dtype_bytes)))
+    return math.ceil(parameter_count(model_config, tp) * Fraction(str(dtype_bytes)))
 
 
 def plan(
@@ -206,8 +241,11 @@ def plan(
     *,
     dtype_bytes: float = 2,
     element_size: int = 2,
+    tp: int = 1,
 ) -> list[PlanRow]:
     """What fits in ``memory_bytes`` once the weights are loaded: one row for the 16-bit cache, then one per preset.
+    With ``tp > 1`` everything is per rank of tensor parallelism: ``memory_bytes`` is one device's, the weights and
+    the KV bytes are that rank's share (a dense model's kv heads are split, the MLA latent is replicated).
 
     A row's ``max_context`` is the largest T with ``weights + batch · expected_nbytes(T) <= memory_bytes`` (binary
     search: the cache never shrinks as T grows) and its ``max_batch`` the largest B with
@@ -222,22 +260,24 @@ def plan(
         presets: Preset names, in order; None means every preset in `PRESETS`.
         dtype_bytes: Bytes per weight parameter (see `weight_bytes`).
         element_size: Bytes per element of the model dtype, which the sink, the tail and 16-bit streams keep.
+        tp: Tensor-parallel ranks (transformers' ``tp_plan="auto"``).
 
     Raises:
         NotImplementedError: for a model type kvarn_mla does not support.
         ValueError: for an unknown preset name or a budget, batch or context that is not a positive integer.
     """
     adapter_for(model_config)  # unsupported model types fail here, before any work
-    for name, value in (("memory_bytes", memory_bytes), ("batch", batch), ("context", context)):
+    for name, value in (("memory_bytes", memory_bytes), ("batch", batch), ("context", context), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     names = list(PRESETS) if presets is None else [name for name in presets if name != UNQUANTIZED_NAME]
     configs = [(UNQUANTIZED_NAME, UNQUANTIZED)] + [(name, resolve_config(name)) for name in names]
-    free = memory_bytes - weight_bytes(model_config, dtype_bytes)
+    free = memory_bytes - weight_bytes(model_config, dtype_bytes, tp)
+    kv_heads = tp_kv_heads(model_config, tp)
     rows = []
     for name, config in configs:
         def kv_nbytes(tokens: int, config: KVarNConfig = config) -> int:
-            return expected_nbytes(model_config, config, tokens, batch=1, element_size=element_size)
+            return expected_nbytes(model_config, config, tokens, batch=1, element_size=element_size, kv_heads=kv_heads)
 
         sequence = kv_nbytes(context)
         rows.append(PlanRow(

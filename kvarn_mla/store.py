@@ -127,12 +127,18 @@ class Stream(Layout):
     def tail_length(self) -> int:
         return self._tail.length
 
+    def _some_data(self) -> torch.Tensor | None:
+        return next((s.data for s in (self._tail, self._sink, self._tiles[0]) if s.data is not None), None)
+
     @property
     def batch_size(self) -> int | None:
-        for store in (self._sink, self._tail, self._tiles[0]):
-            if store.data is not None:
-                return store.data.shape[0]
-        return None
+        data = self._some_data()
+        return None if data is None else data.shape[0]
+
+    @property
+    def device(self) -> torch.device | None:
+        data = self._some_data()
+        return None if data is None else data.device
 
     @property
     def tiles(self) -> QuantizedTile:
@@ -244,7 +250,7 @@ def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Ten
     """Quantize the full pending tiles of several streams of one scheme (e.g. the keys of every layer) in one call.
 
     Args:
-        streams: Streams sharing scheme and width.
+        streams: Streams sharing scheme, width and device.
         store: The backend's tile quantizer, ``store(x [N, G, D], scheme, token_valid) -> QuantizedTile``.
         token_valid: Optional ``[B, T]`` bool over absolute positions; False marks padding, which is left out of
             the tile statistics.
@@ -262,7 +268,7 @@ def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Ten
         valid = torch.cat([p[1] if p[1] is not None else torch.ones(p[0].shape[:2], dtype=torch.bool,
                                                                      device=x.device) for p in parts])
         valid = None if bool(valid.all()) else valid
-    tile = store(x, streams[0].scheme, valid)
+    tile = store(x, streams[0].scheme, None if valid is None else valid.to(x.device))
     largest = metadata_overflow(tile)
     if largest is not None:
         raise ValueError(

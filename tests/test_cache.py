@@ -234,3 +234,41 @@ def test_fake_quantize_matches_the_cache_and_keeps_sink_and_tail():
 def test_packed_width_of_every_bit_width():
     assert [packed_width(128, b) for b in (2, 3, 4, 8)] == [32, 48, 64, 128]
     assert packed_width(72, 3) == 27
+
+
+def test_flush_groups_tiles_by_device(monkeypatch):
+    """Layers placed on different devices (accelerate's ``device_map``) are quantized one store call per device and
+    stream slot: a call never concatenates tensors of two devices.
+
+    Torch has one CPU device (``cpu:1`` is ``cpu``), so the placement is faked: the streams of layers 2 and 3 report
+    another device. The check is that of a real placement: the store receives per-device groups, and the stored
+    tiles are those of the ordinary all-layers-at-once flush.
+    """
+    from kvarn_mla.backends import Backend, resolve_backend
+    from kvarn_mla.store import Stream
+
+    config = KVarNConfig(tile_size=64, sink_tokens=64, backend="torch")
+    expected, placed = (KVarNCache(_config("llama", num_hidden_layers=4), config) for _ in range(2))
+    for cache in (expected, placed):
+        for index, layer in enumerate(cache.layers):
+            gen = torch.Generator().manual_seed(index)
+            layer.update(*(torch.randn(1, s.num_heads, 200, s.dim, generator=gen) for s in layer.specs))
+    expected.flush()
+
+    second = {id(stream) for layer in placed.layers[2:] for stream in layer.streams}
+    monkeypatch.setattr(Stream, "device", property(
+        lambda self: torch.device("cpu", 1) if id(self) in second else torch.device("cpu", 0)))
+    calls, reference = [], resolve_backend("torch", "cpu")
+
+    def store(x, scheme, token_valid):
+        calls.append((scheme.axis, x.shape[0]))
+        return reference.store(x, scheme, token_valid)
+
+    for layer in placed.layers:
+        layer.backend = Backend("recording", store, reference.attend)
+    placed.flush()
+    tiles_per_layer = 2 * placed.layers[0].specs[0].num_heads  # (200 - 64) // 64 tiles of each kv head
+    assert calls == [("channel", 2 * tiles_per_layer)] * 2 + [("token", 2 * tiles_per_layer)] * 2
+    for a, b in zip(expected.layers, placed.layers):
+        for x, y in zip(a.streams, b.streams):
+            assert all(torch.equal(p, q) for p, q in zip(x.tiles.parts(), y.tiles.parts()))

@@ -187,3 +187,29 @@ def test_a_cache_that_stops_growing_has_no_context_limit():
 def test_format_bytes():
     assert [format_bytes(n) for n in (512, 1536, 80 * GiB, 1_342_052_808_704)] == \
         ["512 B", "1.50 KiB", "80.0 GiB", "1.22 TiB"]
+
+
+def test_tensor_parallel_plan_is_per_rank():
+    """--tp N: a dense model's KV bytes per rank are 1/N (its kv heads are split), an MLA model's are unchanged
+    (the latent is replicated); weights per rank follow the model's own TP plan."""
+    from kvarn_mla.plan import tp_kv_heads
+
+    llama, deepseek = load_config("llama-3-8b"), load_config("deepseek-v3")
+    assert tp_kv_heads(llama, 4) == 2 and tp_kv_heads(deepseek, 8) is None and tp_kv_heads(llama, 1) is None
+    for model_config, divisor in ((llama, 4), (deepseek, 1)):
+        single, split = (plan(model_config, 2**40, context=8192, presets=["k4v2"], tp=tp) for tp in (1, 4))
+        assert [r.sequence_nbytes for r in split] == [r.sequence_nbytes // divisor for r in single]
+    sharded = parameter_count(llama, 8)
+    assert parameter_count(llama) / 8 < sharded < parameter_count(llama) / 8 * 1.001  # only norms are replicated
+    assert weight_bytes(deepseek, 1, 8) == parameter_count(deepseek, 8)
+    with pytest.raises(ValueError, match="--tp 3 does not divide the 8 kv heads"):
+        plan(llama, 2**40, tp=3)
+
+
+def test_cli_plan_tp(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--memory", "141GiB", "--tp", "8", "--dtype-bytes", "1",
+                 "--preset", "k4v2"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank of --tp 8" in out and "the MLA latent and RoPE key are replicated on every rank" in out
+    assert main(["plan", "--model", "llama-3-70b", "--memory", "80GiB", "--tp", "8", "--preset", "k4v2"]) == 0
+    assert "1 kv head per rank" in capsys.readouterr().out

@@ -52,9 +52,13 @@ def adapter_for(config) -> Adapter:
     )
 
 
-def layer_specs(model_config, config: KVarNConfig | str | None) -> tuple[StreamSpec, StreamSpec]:
-    """The (key slot, value slot) streams of one full-attention layer of a model of a supported type."""
-    return adapter_for(model_config).stream_specs(model_config.get_text_config(decoder=True), resolve_config(config))
+def layer_specs(
+    model_config, config: KVarNConfig | str | None, kv_heads: int | None = None
+) -> tuple[StreamSpec, StreamSpec]:
+    """The (key slot, value slot) streams of one full-attention layer of a model of a supported type; ``kv_heads``
+    overrides the config's kv heads (a tensor-parallel rank's share of a dense model)."""
+    text_config = model_config.get_text_config(decoder=True)
+    return adapter_for(model_config).stream_specs(text_config, resolve_config(config), kv_heads)
 
 
 __all__ = ["ADAPTERS", "Adapter", "AttentionBinding", "adapter_for", "kvarn_attention", "layer_specs",

@@ -32,6 +32,7 @@ class AttentionBinding:
     config: KVarNConfig
     backend: Backend
     fallback: str  # "sdpa" or "eager": how full-precision attention runs (prefill, unquantized layers)
+    kv_heads: int | None = None  # kv heads of this rank's shard under tensor parallelism, None: the config's
     cache: Any = field(default=None, repr=False)
 
     def layer(self, module: nn.Module):
@@ -54,9 +55,15 @@ class Adapter:
 
     family: str = ""
 
-    def stream_specs(self, text_config, config: KVarNConfig) -> tuple[StreamSpec, StreamSpec]:
-        """The (key-slot, value-slot) streams of one full-attention layer."""
+    def stream_specs(self, text_config, config: KVarNConfig, kv_heads: int | None = None) -> tuple[StreamSpec, ...]:
+        """The (key-slot, value-slot) streams of one full-attention layer; ``kv_heads`` overrides the config's
+        (a tensor-parallel rank's share)."""
         raise NotImplementedError
+
+    def local_kv_heads(self, module: nn.Module) -> int | None:
+        """The kv heads this process computes for ``module`` when its projections are tensor-parallel shards,
+        else None. Families whose cached streams are replicated across ranks (MLA) keep None."""
+        return None
 
     def is_attention(self, module: nn.Module) -> bool:
         """Whether ``module`` is an attention module of this family that writes a cache layer."""

@@ -19,13 +19,19 @@ def head_dim(text_config) -> int:
 class DenseAdapter(Adapter):
     family = "dense"
 
-    def stream_specs(self, text_config, config: KVarNConfig) -> tuple[StreamSpec, StreamSpec]:
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    def stream_specs(self, text_config, config: KVarNConfig, kv_heads: int | None = None) -> tuple[StreamSpec, ...]:
+        kv_heads = kv_heads or getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         dim = head_dim(text_config)
         return (
             StreamSpec("key", kv_heads, dim, config.scheme("key")),
             StreamSpec("value", kv_heads, dim, config.scheme("value")),
         )
+
+    def local_kv_heads(self, module: nn.Module) -> int | None:
+        weight = module.k_proj.weight
+        if not hasattr(weight, "to_local"):  # not a tensor-parallel shard (DTensor)
+            return None
+        return weight.to_local().shape[0] // module.head_dim
 
     def is_attention(self, module: nn.Module) -> bool:
         return all(hasattr(module, name) for name in ("layer_idx", "q_proj", "k_proj", "v_proj", "o_proj"))
