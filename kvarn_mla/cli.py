@@ -1,18 +1,26 @@
-"""The ``kvarn-mla`` command line."""
+"""The ``kvarn-mla`` command line.
+
+Only the standard library is imported at module level: ``kvarn-mla --help`` and ``--version`` must not pay for torch
+and transformers (seconds of CPU). Each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from . import __version__
-from .config import PRESETS, UNQUANTIZED
+
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13), e.g. `... | head`
 
 
 def _presets(args: argparse.Namespace) -> int:
     from .adapters import layer_specs
     from .archs import load_config
+    from .config import PRESETS, UNQUANTIZED
     from .plan import bits_label, expected_nbytes, family_label
 
     model_config = load_config(args.model)
@@ -36,6 +44,7 @@ def _presets(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .adapters import layer_specs
     from .archs import load_config
+    from .config import UNQUANTIZED
     from .plan import (bits_label, family_label, format_bytes, parameter_count, parse_memory, plan, tp_kv_heads,
                        weight_bytes)
 
@@ -94,8 +103,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from .evaluation.bench import run_bench
@@ -116,11 +123,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from .report import build_report, checkout_results
 
-    from .report import build_report
-
-    path = build_report(Path(args.results), Path(args.out), rerun=args.rerun)
+    if args.rerun and args.results is None:
+        raise ValueError("--rerun writes new results into --results: give the directory explicitly (a fresh one "
+                         "unless you mean to replace what is there)")
+    results = Path(args.results) if args.results is not None else checkout_results()
+    path = build_report(results, Path(args.out), rerun=args.rerun)
     print(f"wrote {path} and {path.with_suffix('.html')}")
     return 0
 
@@ -135,15 +144,21 @@ def _demo(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .evaluation.methods import parse_methods
-    from .evaluation.runner import load_model, run
+    from .evaluation.methods import parse_methods, reference_label, require_available
+    from .evaluation.runner import file_digest, load_model, run
     from .evaluation.tasks import jsonl_items, reasoning_items, retrieval_items
 
     methods = parse_methods(args.presets)
+    require_available(methods)  # before any model is loaded or any method has run
     if args.suite == "jsonl" and not args.tasks:
         raise ValueError("--suite jsonl needs --tasks FILE (one {\"prompt\", \"answer\"} object per line)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model, tokenizer = load_model(args.model, dtype)
+    label = reference_label(dtype)
+    asked = {m.name for m in methods if m.kind == "reference"} - {"reference", label}
+    if asked:  # e.g. scripts written when the reference was always called "bf16"
+        print(f"kvarn-mla: note: the reference runs in {args.dtype} (--dtype), so its results are labelled {label!r}, "
+              f"not {', '.join(sorted(asked))}", file=sys.stderr)
     torch.manual_seed(args.seed)
     sampling = {"do_sample": False}
     if args.temperature:
@@ -162,7 +177,8 @@ def _eval(args: argparse.Namespace) -> int:
         text_ids = text_ids[:, : args.tokens]
     summary = run(model, tokenizer, methods, args.suite, args.out, text_ids=text_ids, tokens=args.tokens,
                   chunk=args.chunk, greedy_tokens=args.greedy_tokens, items=items, batch_size=batch_size,
-                  sampling=sampling, context=args.context)
+                  sampling=sampling, context=args.context, seed=args.seed, model_name=args.model,
+                  tasks_digest=file_digest(args.tasks) if args.suite == "jsonl" else None)
     print(json.dumps({name: {k: v for k, v in row.items() if not k.startswith("kl_curve") and k != "attn_err_last"}
                       for name, row in summary["methods"].items()}, indent=1))
     return 0
@@ -193,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--context", type=int, default=32768,
                          help="tokens per sequence, for the bytes per token and the max batch (default: 32768)")
     planner.add_argument("--preset", action="append", metavar="NAME",
-                         help=f"only this preset (repeatable; default: all of {', '.join(PRESETS)}); "
+                         help="only this preset (repeatable; default: every preset `kvarn-mla presets` lists); "
                               "the 16-bit row is always shown")
     planner.add_argument("--dtype-bytes", type=float, default=2,
                          help="bytes per weight parameter: 2 for bf16 (default), 1 for FP8, 0.5 for 4-bit")
@@ -209,13 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=3, help="timed decode steps per point (median)")
     bench.add_argument("--prefill-up-to", type=int, default=16384, help="time prefill up to this context")
     bench.add_argument("--threads", type=int, default=2)
-    bench.add_argument("--out", default="benchmarks/results", help="directory for bench_cpu.csv / .json")
+    bench.add_argument("--out", required=True,
+                       help="directory for bench_cpu.csv / .json (files of that name there are replaced; the "
+                            "committed results are benchmarks/results)")
     bench.set_defaults(run=_bench)
 
     report = commands.add_parser("report", help="architecture comparison report (markdown + html + PNG charts)")
     report.add_argument("--out", required=True, help="output directory")
-    report.add_argument("--results", default="benchmarks/results", help="results directory to read")
-    report.add_argument("--rerun", action="store_true", help="recompute bench and accuracy results first (slow)")
+    report.add_argument("--results", help="results directory to read (default: the committed benchmarks/results "
+                        "of the checkout kvarn_mla runs from; an error when there is none)")
+    report.add_argument("--rerun", action="store_true",
+                        help="recompute bench and accuracy results into --results first (slow; needs --results)")
     report.set_defaults(run=_report)
 
     show = commands.add_parser("demo", help="the bundled MLA reference model: 16-bit cache vs KVarN presets")
@@ -231,11 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model", required=True, help="mla | gqa | mha (bundled), a model directory, or a cached "
                           "hub name")
     evaluate.add_argument("--presets", default="k4v2,k2v2,kivi-k2v2,rot-k2v2",
-                          help="comma-separated methods: presets (with +field=value), bf16, hf-quanto-2/4, "
-                          "hf-hqq-2/4, hf-fp8; bf16 is always added as the reference")
+                          help="comma-separated methods: presets (with +field=value), hf-quanto-2/4, hf-hqq-2/4, "
+                          "hf-fp8; the reference (the unquantized cache) is always added, labelled by --dtype: "
+                          "fp32, bf16 or fp16")
     evaluate.add_argument("--suite", required=True,
                           choices=["accumulation", "reasoning", "retrieval", "worst-vectors", "jsonl"])
-    evaluate.add_argument("--out", required=True, help="summary JSON; records go to the same name with .jsonl")
+    evaluate.add_argument("--out", required=True, help="summary JSON; records go to the same name with .jsonl "
+                          "(a rerun resumes them; records of another model, suite or setting are refused)")
     evaluate.add_argument("--tasks", help="JSONL task file for --suite jsonl")
     evaluate.add_argument("--checker", default="exact", help="default checker: exact | last-number | boxed")
     evaluate.add_argument("--limit", type=int, default=100, help="items to run (default 100)")
@@ -257,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -270,6 +292,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as error:
         print(f"kvarn-mla: error: {error}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a bad argument or value, with one line on stderr).
+
+    A reader that stops early (``kvarn-mla presets | head``) ends the command quietly with status 141, as a
+    SIGPIPE would, instead of a traceback.
+    """
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+    except BrokenPipeError:
+        try:  # what is still buffered goes nowhere, so the exit flush cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no file descriptor (captured): nothing buffered to drop
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,45 @@ def test_bundled_architectures_are_valid_configs():
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "kvarn_mla.cli", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"kvarn-mla {__version__}"
+
+
+def _run_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvarn_mla.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=600)
+
+
+def test_help_and_version_import_neither_torch_nor_transformers():
+    probe = ("import sys\nfrom kvarn_mla.cli import main\n"
+             "for argv in (['--help'], ['--version'], ['eval', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('imported:', sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules),"
+             " file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=600)
+    assert out.stderr.strip().splitlines()[-1] == "imported: []"
+    assert "usage: kvarn-mla" in out.stdout and f"kvarn-mla {__version__}" in out.stdout
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    read, write = os.pipe()
+    os.close(read)  # like `kvarn-mla presets | head` once head has gone: every write meets a closed pipe
+    try:
+        out = _run_cli("presets", "--model", "llama-3-8b", stdout=write)
+    finally:
+        os.close(write)
+    assert out.stderr == "" and out.returncode == 141
+
+
+def test_bench_needs_an_explicit_out_and_writes_only_there(tmp_path, monkeypatch, capsys):
+    from kvarn_mla.evaluation import bench
+
+    def run_bench(families, contexts, steps, out_dir, prefill_up_to):
+        out_dir.mkdir(parents=True)
+        (out_dir / "bench_cpu.json").write_text("[]")
+        return []
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench"])  # the committed results were the default --out
+    assert exit_info.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
+    assert main(["bench", "--out", "fresh"]) == 0 and os.listdir(tmp_path) == ["fresh"]

@@ -44,7 +44,7 @@ def test_parse_methods():
     grid = parse_method("k4v2+latent_bits=2+rope_bits=8+hadamard=False")
     assert (grid.config.latent_bits, grid.config.rope_bits, grid.config.hadamard) == (2, 8, False)
     assert parse_method("hf-quanto-2").cache_kwargs == {"nbits": 2} and parse_method("hf-fp8").nbits is None
-    assert [m.name for m in parse_methods("k2v2, hf-fp8")] == ["bf16", "k2v2", "hf-fp8"]
+    assert [m.name for m in parse_methods("k2v2, hf-fp8")] == ["reference", "k2v2", "hf-fp8"]
     three = parse_method("kivi-3").config
     assert (three.key_bits, three.value_bits, three.latent_bits, three.rope_bits, three.method) == (3, 3, 3, 16, "rtn")
     assert parse_method("rot-2+rope_bits=8").config.rope_bits == 8 and parse_method("kvarn-4").config.method == "kvarn"
@@ -230,18 +230,107 @@ def test_generation_suite_resumes_after_an_interruption(tmp_path, monkeypatch):
         runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1)
     log_lines = (tmp_path / "run.jsonl").read_text().splitlines()
     assert len(log_lines) == 5 + 2 and not out.exists()
-    partial = runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), compute=False)
-    assert partial["methods"]["bf16"]["n"] == 5 and partial["methods"]["k4v2+tile_size=64"]["n"] == 2
+    partial = runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1, compute=False)
+    assert partial["methods"]["fp32"]["n"] == 5 and partial["methods"]["k4v2+tile_size=64"]["n"] == 2
     assert (tmp_path / "run.jsonl").read_text().splitlines() == log_lines  # summarizing generated nothing
     with (tmp_path / "run.jsonl").open("a") as f:
         f.write('{"suite": "reasoning", "method": "k4v2+ti')  # a record cut short by the interruption
     monkeypatch.setattr(tasks, "generate_items", real)
     summary = runner.run(model, tokenizer, methods, "jsonl", out, items=_items(5), batch_size=1)
-    assert summary["methods"]["bf16"]["n"] == summary["methods"]["k4v2+tile_size=64"]["n"] == 5
+    assert summary["methods"]["fp32"]["n"] == summary["methods"]["k4v2+tile_size=64"]["n"] == 5
     assert json.loads(out.read_text())["settings"]["sampling"] == {"do_sample": False}
-    ids = [json.loads(line)["key"] for line in (tmp_path / "run.jsonl").read_text().splitlines()
-           if line.endswith("}")]
-    assert sorted(ids) == sorted([f"t{i}" for i in range(5)] * 2)  # nothing was generated twice
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines() if line.endswith("}")]
+    assert sorted(r["key"] for r in records) == sorted([f"t{i}" for i in range(5)] * 2)  # nothing generated twice
+    assert {r["suite"] for r in records} == {"jsonl"}  # labelled by its own suite (was "reasoning")
+
+
+def test_resume_refuses_records_of_another_configuration(tmp_path, monkeypatch):
+    model, tokenizer = build_model("qwen3"), char_tokenizer()
+    reference = parse_methods("")  # the reference alone
+    out = tmp_path / "run.json"
+    runner.run(model, tokenizer, reference, "jsonl", out, items=_items(2), batch_size=1, tasks_digest="a")
+    records = (tmp_path / "run.jsonl").read_text()
+
+    def nothing_left(model, tokenizer, items, method, **kwargs):
+        assert not items, f"recomputed {[it.id for it in items]}"
+        yield from ()
+
+    monkeypatch.setattr(tasks, "generate_items", nothing_left)
+    summary = runner.run(model, tokenizer, reference, "jsonl", out, items=_items(2), batch_size=1, tasks_digest="a")
+    assert summary["methods"]["fp32"]["n"] == 2  # the same configuration resumes
+    for change, named in [
+        (dict(model=build_model("qwen3", seed=1)), "model.digest"),
+        (dict(model=build_model("qwen3").to(torch.bfloat16)), "model.dtype"),
+        (dict(tasks_digest="b"), "settings.tasks: 'a' -> 'b'"),
+        (dict(batch_size=2), "settings.batch_size: 1 -> 2"),
+        (dict(sampling={"do_sample": True, "temperature": 0.7}, seed=5), "settings.seed: None -> 5"),
+        (dict(suite="reasoning"), "suite: 'jsonl' -> 'reasoning'"),
+    ]:
+        arguments = {**dict(model=model, suite="jsonl", batch_size=1, tasks_digest="a"), **change}
+        with pytest.raises(ValueError, match="holds results of another configuration") as error:
+            runner.run(arguments.pop("model"), tokenizer, reference, arguments.pop("suite"), out, items=_items(2),
+                       **arguments)
+        assert named in str(error.value) and "another --out" in str(error.value)
+    changed = [tasks.GenerationItem("t1", "another prompt", {"exact": lambda text: True}, 4)]
+    with pytest.raises(ValueError, match="item 't1' was recorded for another prompt"):
+        runner.run(model, tokenizer, reference, "jsonl", out, items=changed, batch_size=1, tasks_digest="a")
+    (tmp_path / "run.jsonl").write_text(records.replace('"method_spec": "', '"method_spec": "0'))
+    with pytest.raises(ValueError, match="method 'fp32' was recorded with another definition"):
+        runner.run(model, tokenizer, reference, "jsonl", out, items=_items(2), batch_size=1, tasks_digest="a")
+    assert (tmp_path / "run.jsonl").read_text() == records.replace('"method_spec": "', '"method_spec": "0')
+
+
+def test_legacy_records_summarize_but_are_never_resumed(tmp_path):
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy" / "mla-reasoning.jsonl"
+    lines = committed.read_text().splitlines()
+    legacy = [line for line in lines if json.loads(line)["method"] in ("bf16", "kvarn-2")]
+    legacy = [line for line in legacy if json.loads(line)["key"] in ("reasoning-11", "reasoning-54", "reasoning-88")]
+    assert len(legacy) == 6 and all('"run"' not in line for line in legacy)
+    (tmp_path / "old.jsonl").write_text("\n".join(legacy) + "\n")
+    model, tokenizer = build_model("deepseek_v3"), char_tokenizer()
+    methods = parse_methods("kvarn-2")
+    summary = runner.run(model, tokenizer, methods, "reasoning", tmp_path / "old.json", compute=False)
+    assert set(summary["methods"]) == {"bf16", "kvarn-2"}  # as the legacy records label the reference
+    assert summary["methods"]["bf16"]["n"] == summary["methods"]["kvarn-2"]["n"] == 3
+    assert summary["settings"]["legacy_records"] is True and summary["run"] is None
+    with pytest.raises(ValueError, match="holds 6 legacy records"):
+        runner.run(model, tokenizer, methods, "reasoning", tmp_path / "old.json", items=_items(1))
+    assert (tmp_path / "old.jsonl").read_text() == "\n".join(legacy) + "\n"
+
+
+def test_reference_is_labelled_by_the_model_dtype():
+    from kvarn_mla.evaluation.methods import reference_label, with_reference_label
+
+    assert [reference_label(d) for d in (torch.float32, torch.bfloat16, "float16")] == ["fp32", "bf16", "fp16"]
+    for name in ("reference", "bf16", "fp32", "fp16"):
+        assert parse_method(name).kind == "reference"
+    methods = with_reference_label(parse_methods("k2v2,bf16,fp32"), torch.float32)
+    assert [m.name for m in methods] == ["k2v2", "fp32"]  # one reference, named for what it runs in
+    assert [m.name for m in with_reference_label(parse_methods("k2v2"), torch.bfloat16)] == ["bf16", "k2v2"]
+    with pytest.raises(ValueError, match="no reference label for model dtype 'float64'"):
+        reference_label(torch.float64)
+
+
+def test_eval_refuses_a_missing_baseline_before_any_work(tmp_path, monkeypatch, capsys):
+    from kvarn_mla.evaluation import methods
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the missing baseline was found")
+
+    import transformers.cache_utils
+
+    for module in (methods, transformers.cache_utils):  # as if the baselines extra were not installed
+        monkeypatch.setattr(module, "is_optimum_quanto_available", lambda: False, raising=False)
+        monkeypatch.setattr(module, "is_hqq_available", lambda: False, raising=False)
+    monkeypatch.setattr(runner, "load_model", no_model)
+    assert main(["eval", "--model", "mla", "--suite", "reasoning", "--presets", "k4v2,hf-quanto-2,hf-hqq-4,hf-fp8",
+                 "--out", str(tmp_path / "r.json")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == ('kvarn-mla: error: cannot run hf-quanto-2: optimum-quanto is not installed (pip install '
+                     '"kvarn-mla[baselines]"); hf-hqq-4: hqq is not installed (pip install "kvarn-mla[baselines]")')
+    assert not list(tmp_path.iterdir())
 
 
 def test_eval_cli_end_to_end(tmp_path, capsys):
@@ -254,12 +343,27 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
                  "--max-new-tokens", "4", "--out", str(tmp_path / "out.json")])
     assert code == 0
     summary = json.loads((tmp_path / "out.json").read_text())
-    assert set(summary["methods"]) == {"bf16", "k4v2", "hf-fp8"}
+    assert set(summary["methods"]) == {"fp32", "k4v2", "hf-fp8"}  # the reference is labelled by --dtype float32
     assert summary["methods"]["k4v2"]["last-number"]["ci95"][1] <= 1
-    assert summary["methods"]["bf16"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
-    assert summary["methods"]["hf-fp8"]["bytes_per_token_4k"] == summary["methods"]["bf16"]["bytes_per_token_4k"] / 2
+    assert summary["methods"]["fp32"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
+    assert summary["methods"]["hf-fp8"]["bytes_per_token_4k"] == summary["methods"]["fp32"]["bytes_per_token_4k"] / 2
+    assert summary["run"]["suite"] == "jsonl" and summary["run"]["model"]["name"] == str(tmp_path / "model")
     assert main(["eval", "--model", "nowhere/model", "--suite", "reasoning", "--out", str(tmp_path / "x.json")]) == 2
     assert "cannot load model 'nowhere/model' offline" in capsys.readouterr().err
+
+    # The same --out with another model and another task file: refused, naming both, nothing computed or mixed.
+    other = build_model("llama", seed=1)
+    other.save_pretrained(tmp_path / "other")
+    tokenizer.save_pretrained(tmp_path / "other")
+    (tmp_path / "other.jsonl").write_text('{"prompt": "5+5=", "answer": "10"}\n')
+    records = (tmp_path / "out.jsonl").read_text()
+    assert main(["eval", "--model", str(tmp_path / "other"), "--suite", "jsonl", "--tasks",
+                 str(tmp_path / "other.jsonl"), "--checker", "last-number", "--presets", "k4v2,hf-fp8",
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out.json")]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # one line
+    assert error.startswith("kvarn-mla: error: ") and "holds results of another configuration" in error
+    assert "model.digest" in error and "settings.tasks" in error and "another --out" in error
+    assert (tmp_path / "out.jsonl").read_text() == records
 
 
 def test_demo_runs_end_to_end_on_a_short_setting(tmp_path, capsys):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,13 +57,55 @@ def test_report_builds_every_chart(results, tmp_path):
     assert html.count("<img") == text.count("![") and "<table>" in html
 
 
-def test_report_bytes_match_the_planner(tmp_path):
+def test_report_bytes_match_the_planner(results, tmp_path):
     from kvarn_mla.archs import load_config
     from kvarn_mla.plan import expected_nbytes
 
-    main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "none")])
+    partial = tmp_path / "partial"
+    (partial / "accuracy").mkdir(parents=True)
+    shutil.copy(results / "accuracy" / "gqa-reasoning.json", partial / "accuracy")
+    assert main(["report", "--out", str(tmp_path), "--results", str(partial)]) == 0
     text = (tmp_path / "report.md").read_text()
     llama = load_config("llama-3-8b")
     k4v2 = expected_nbytes(llama, "k4v2", 32768) / 32768
     assert f"{k4v2:,.0f} (" in text.split("| llama-3-8b |")[1].split("\n")[0]
-    assert "No accuracy results found" in text and "No speed results found" in text
+    assert "### GQA: reasoning" in text and "No speed results found" in text
+    assert "GQA reference model: unquantized-cache exact match" in text  # found under its label, fp32
+
+
+def test_report_never_succeeds_on_no_results(tmp_path, monkeypatch, capsys):
+    import kvarn_mla.report as report
+
+    for results in (tmp_path / "missing", tmp_path):
+        assert main(["report", "--out", str(tmp_path / "out"), "--results", str(results)]) == 2
+        assert f"no results to report in {results}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["report", "--out", str(tmp_path / "out"), "--rerun"]) == 2  # would write into the committed results
+    assert "--rerun writes new results into --results" in capsys.readouterr().err
+
+    checkout = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    assert report.checkout_results() == checkout and report.result_files(checkout)
+    built = []
+    monkeypatch.setattr(report, "build_report", lambda results, out, rerun: built.append(results) or out / "r.md")
+    monkeypatch.chdir(tmp_path)  # outside the checkout, the default is still its committed results, not ./benchmarks
+    assert main(["report", "--out", "out"]) == 0 and built == [checkout]
+    monkeypatch.setattr(report, "__file__", str(tmp_path / "site-packages" / "kvarn_mla" / "report" / "__init__.py"))
+    assert main(["report", "--out", "out"]) == 2  # an installed package has no results beside it
+    assert "pass --results DIR" in capsys.readouterr().err and built == [checkout]
+
+
+def test_committed_results_still_read():
+    """Records and summaries written before records named their configuration (the reference labelled "bf16")
+    feed the report and the README table as before."""
+    import importlib.util
+
+    import kvarn_mla.report as report
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("accuracy_script", root / "benchmarks" / "accuracy.py")
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    table = accuracy.summary_table(root / "benchmarks" / "results" / "accuracy")
+    assert "| MLA | bf16 |" in table and "| GQA | kvarn-2 |" in table
+    rows = json.loads((root / "benchmarks" / "results" / "accuracy" / "mla-reasoning.json").read_text())["methods"]
+    assert report.reference_row(rows) is rows["bf16"]

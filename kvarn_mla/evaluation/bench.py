@@ -54,13 +54,13 @@ def fill(cache, model, tokens: int, extra_tail: int = 0) -> None:
         shapes = [(1, config.num_key_value_heads, tokens, config.head_dim)] * 2
     gen = torch.Generator().manual_seed(1)
     dtype = next(model.parameters()).dtype
-    for layer in range(config.num_hidden_layers):
+    for layer in cache.layers[: config.num_hidden_layers]:  # layer by layer: no forward pass is running
         key, value = (torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
-        cache.update(key[:, :, : tokens - extra_tail], value[:, :, : tokens - extra_tail], layer)
+        layer.update(key[:, :, : tokens - extra_tail], value[:, :, : tokens - extra_tail])
         if isinstance(cache, KVarNCache):
-            cache.layers[layer].flush()
+            layer.flush()
         if extra_tail:
-            cache.update(key[:, :, tokens - extra_tail :], value[:, :, tokens - extra_tail :], layer)
+            layer.update(key[:, :, tokens - extra_tail :], value[:, :, tokens - extra_tail :])
 
 
 def _peak_reset() -> int | None:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from . import reasoning
-from .methods import Method, parse_methods
+from .methods import Method, parse_methods, require_available, with_reference_label
 
 
 class _Progress(BaseStreamer):
@@ -120,9 +120,11 @@ def demo(model_name: str = "mla", presets: str = "k4v2,k2v2", new_tokens: int | 
     """Load ``model_name`` and print the table; returns the rows."""
     from .runner import load_model
 
+    methods = parse_methods(presets)
+    require_available(methods)  # before the model loads and the first method runs
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name, torch.bfloat16)  # a 16-bit model, so the reference cache is 16-bit
-    methods = parse_methods(presets)
+    methods = with_reference_label(methods, model.dtype)
     rows = run_demo(model, tokenizer, methods, demo_prompts(tokenizer, new_tokens, prompt_tokens))
     print(f"\n{model_name}: {type(model).__name__} (bf16), greedy decoding; 'agree' = share of tokens identical to "
           "the 16-bit run, 'diverge@' = first token that differs")

@@ -2,7 +2,10 @@
 
 A method is named by a string:
 
-* ``"bf16"`` — the unpatched model and its ``DynamicCache`` (the reference; any model dtype);
+* the reference — the unpatched model and its ``DynamicCache`` in the model's own dtype, labelled by that dtype:
+  ``"fp32"``, ``"bf16"`` or ``"fp16"`` (`reference_label`; any of these names, or ``"reference"``, asks for it, and
+  `with_reference_label` gives it the label of the model it runs on; results written before the label followed the
+  dtype call a float32 reference ``"bf16"``);
 * a KVarN preset, optionally with field overrides: ``"k4v2"``, ``"kivi-k2v2"``, ``"k4v2+latent_bits=2+rope_bits=8"``;
 * a quantizer at one bit width for every quantized stream (keys, values, latent; the RoPE key stays 16-bit):
   ``"kvarn-3"``, ``"kivi-2"`` (no rotation, no normalization), ``"rot-4"`` (rotation only), ``"kvarnvn-2"`` (keys
@@ -14,19 +17,24 @@ A method is named by a string:
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 from transformers.cache_utils import QuantizedCache
+from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_quanto_greater
 
 from ..cache import KVarNCache
 from ..plan import expected_nbytes
 from ..config import PRESETS, QUANTIZERS, UNQUANTIZED, KVarNConfig, field_names, resolve_config
 from ..patch import patch, unpatch
 
-REFERENCE = "bf16"
+REFERENCE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # model dtype -> reference label
+REFERENCE_NAMES = ("reference", *REFERENCE_LABELS.values())  # method names that ask for the reference
+REFERENCE = "reference"  # the reference before it knows its model's dtype (`with_reference_label` names it)
 HF_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4), "fp8": (None,)}
+BASELINES_HINT = "pip install \"kvarn-mla[baselines]\""
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,9 @@ class Method:
         return {}
 
     def bytes_per_token(self, model_config, tokens: int) -> float | None:
-        """Cache bytes per token at ``tokens`` (16-bit sink/tail), as `KVarNCache.nbytes` counts; None if unknown.
+        """Cache bytes per token at ``tokens`` with 16-bit elements wherever the cache keeps full precision (the
+        reference, sink and tail), as a bf16 deployment holds them, whatever dtype the evaluation ran in; None if
+        unknown.
 
         transformers' fp8 layer holds one byte per element (and one scale per tensor); the quanto and HQQ layers
         (group-wise codes, scales and zero points, a full-precision residual window) are not counted: None.
@@ -89,13 +99,69 @@ class Method:
         return None
 
 
+def backend_problem(backend: str) -> str | None:
+    """Why transformers' quantized cache ``backend`` cannot run here (a package it needs is missing, too old or
+    failing to import), or None: the checks transformers makes when the cache is built, made before any run."""
+    if backend == "quanto":
+        if not is_optimum_quanto_available():
+            return f"optimum-quanto is not installed ({BASELINES_HINT})"
+        if not is_quanto_greater("0.2.5", accept_dev=True):
+            return f"transformers needs optimum-quanto >= 0.2.5 ({BASELINES_HINT})"
+        module = "optimum.quanto"
+    elif backend == "hqq":
+        if not is_hqq_available():
+            return f"hqq is not installed ({BASELINES_HINT})"
+        module = "hqq.core.quantize"
+    else:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return f"{module} does not import ({error}; {BASELINES_HINT})"
+    return None
+
+
+def require_available(methods: list[Method]) -> None:
+    """Check up front that every method can run here, so that a run does not fail after others have run.
+
+    Raises:
+        ValueError: one line naming each method that cannot run and what it needs.
+    """
+    problems = {m.name: backend_problem(m.backend) for m in methods if m.kind == "hf"}
+    problems = {name: problem for name, problem in problems.items() if problem}
+    if problems:
+        raise ValueError("cannot run " + "; ".join(f"{name}: {problem}" for name, problem in problems.items()))
+
+
+def reference_label(dtype) -> str:
+    """The reference's label for a model of ``dtype`` (a ``torch.dtype`` or its name): ``"fp32"``, ``"bf16"`` or
+    ``"fp16"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in REFERENCE_LABELS:
+        raise ValueError(f"no reference label for model dtype {name!r}; allowed dtypes: {list(REFERENCE_LABELS)}")
+    return REFERENCE_LABELS[name]
+
+
+def with_reference_label(methods: list[Method], dtype) -> list[Method]:
+    """``methods`` with the reference named after the dtype the model runs in (one reference, first place kept):
+    a float32 model's unquantized cache is ``"fp32"``, whatever name asked for it."""
+    label, labelled, seen = reference_label(dtype), [], False
+    for method in methods:
+        if method.kind == "reference":
+            if seen:
+                continue
+            method, seen = Method(label, "reference"), True
+        labelled.append(method)
+    return labelled
+
+
 def parse_method(name: str) -> Method:
     """A `Method` from its name (see the module docstring).
 
     Raises:
         ValueError: unknown preset, backend, bit width or config field (the message lists what is allowed).
     """
-    if name == REFERENCE:
+    if name in REFERENCE_NAMES:
         return Method(name, "reference")
     if name.startswith("hf-"):
         parts = name.split("-")
@@ -114,8 +180,8 @@ def parse_method(name: str) -> Method:
         base = KVarNConfig(key_bits=int(bits), value_bits=int(bits), latent_bits=int(bits), **QUANTIZERS[family])
         return Method(name, "kvarn", config=_with_changes(base, changes, name))
     if preset not in PRESETS:
-        raise ValueError(f"unknown method {name!r}: use {REFERENCE!r}, a preset {sorted(PRESETS)} (optionally "
-                         f"'+field=value' with fields {field_names()}), "
+        raise ValueError(f"unknown method {name!r}: use a reference {REFERENCE_NAMES}, a preset {sorted(PRESETS)} "
+                         f"(optionally '+field=value' with fields {field_names()}), "
                          f"{' / '.join(f'{q}-B' for q in QUANTIZERS)} with B in (2, 3, 4, 8), or hf-quanto-2/4, "
                          "hf-hqq-2/4, hf-fp8")
     return Method(name, "kvarn", config=_with_changes(resolve_config(preset), changes, name))
@@ -133,7 +199,8 @@ def _with_changes(config: KVarNConfig, changes: list[str], name: str) -> KVarNCo
 
 
 def parse_methods(names: str) -> list[Method]:
-    """Comma-separated method names -> methods (``"bf16"`` is always included first, as the reference)."""
+    """Comma-separated method names -> methods (the reference is always included, first unless named later;
+    `with_reference_label` labels it by the model's dtype)."""
     methods = [parse_method(n.strip()) for n in names.split(",") if n.strip()]
     if not any(m.kind == "reference" for m in methods):
         methods.insert(0, parse_method(REFERENCE))

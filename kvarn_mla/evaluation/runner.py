@@ -1,11 +1,25 @@
 """`kvarn-mla eval`: run a suite for several cache methods, resumably, and summarize.
 
-Every finished unit of work (one reasoning item, one accumulation curve, ...) is appended to ``OUT.jsonl`` as it
+Every finished unit of work (one generated item, one accumulation curve, ...) is appended to ``OUT.jsonl`` as it
 completes; a rerun with the same ``--out`` skips what is there. The summary goes to ``OUT`` (JSON).
+
+A record names everything that changes its result, so a resume never reuses another configuration's work:
+
+- ``run``: the run configuration shared by all records of ``OUT.jsonl`` (`run_config`): the record format, the
+  suite (by its own name), the model (a digest of its config and weights, its dtype and device type) and the suite's
+  settings (digests of the text and the greedy prompt, chunk and token counts; sampling, batch size, the seed when it
+  matters, the retrieval context, the task file's digest);
+- ``method`` and ``method_spec``: the method's name and a digest of its definition (a preset's fields);
+- ``key`` (and for generated items ``item``, a digest of the prompt, budget and checks).
+
+A rerun whose configuration differs from the records there refuses, naming what differs (write to another
+``--out``). Records written before this (no ``run``) are *legacy*: they still summarize (``compute=False``) but
+are never resumed into, as nothing says what produced them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -14,18 +28,104 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkers import wilson_interval
-from .methods import REFERENCE, Method
+from .methods import Method, reference_label, with_reference_label
 
 SUITES = ("accumulation", "reasoning", "retrieval", "worst-vectors", "jsonl")
 GREEDY_PROMPT = 512  # tokens of the text that prompt the free-running greedy comparison
+RECORD_FORMAT = 2  # records with a ``run`` field; legacy records (format 1) have none
+LEGACY_REFERENCE_DTYPE = "bfloat16"  # legacy records label the unquantized reference "bf16", whatever its dtype
+_META = ("suite", "method", "key", "run", "method_spec", "item")  # record fields that are not results
+_VOLATILE_CONFIG = ("transformers_version", "name_or_path")  # model config fields that do not change a result
+
+
+def _digest(data: bytes | str) -> str:
+    """16 hex digits of SHA-256 (64 bits: distinct runs never collide in practice)."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    """Digest of a file's bytes (a task file: its prompts, answers and checkers)."""
+    return _digest(Path(path).read_bytes())
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Digest of a tensor's dtype, shape and values (token ids of a text or a prompt)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    hasher = hashlib.sha256(f"{data.dtype}:{tuple(tensor.shape)}".encode())
+    hasher.update(data.view(torch.uint8).numpy())
+    return hasher.hexdigest()[:16]
+
+
+def model_identity(model, name: str | None = None) -> dict:
+    """What identifies a model's results: ``digest`` of its config and every tensor of its state dict (weights and
+    persistent buffers, in the dtype it runs in), ``dtype``, ``device`` type, and ``name`` (for messages only).
+
+    Hashes every weight once (a few seconds per GB); the bundled reference models take milliseconds.
+    """
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in _VOLATILE_CONFIG}
+    hasher = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for key, tensor in model.state_dict().items():
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        hasher.update(f"{key}:{data.dtype}:{tuple(tensor.shape)}".encode())
+        hasher.update(data.view(torch.uint8).numpy())
+    parameter = next(model.parameters())
+    return {"name": name or getattr(model.config, "name_or_path", "") or type(model).__name__,
+            "digest": hasher.hexdigest()[:16], "dtype": str(parameter.dtype).removeprefix("torch."),
+            "device": parameter.device.type}
+
+
+def method_spec(method: Method) -> str:
+    """Digest of a method's definition: a preset renamed or redefined between runs does not reuse results."""
+    definition = (method.kind, method.config, method.backend, method.nbits, sorted(method.cache_kwargs.items()))
+    return _digest(repr(definition))
+
+
+def item_digest(item) -> str:
+    """Digest of a generation item's prompt, token budget and check names (an id reused for another item)."""
+    return _digest(json.dumps([item.prompt, item.max_new_tokens, sorted(item.checks)]))
+
+
+def run_config(suite: str, identity: dict, settings: dict) -> dict:
+    """The ``run`` field of every record of a run, in its JSON form (as read back from the records)."""
+    return json.loads(json.dumps({"format": RECORD_FORMAT, "suite": suite, "model": identity, "settings": settings}))
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(recorded: dict, current: dict) -> list[str]:
+    """What differs between two run configurations, one ``"field: recorded -> current"`` string per field (the
+    model's name is not compared: the same weights under another path are the same model)."""
+    old, new = _flatten(recorded), _flatten(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if key != "model.name" and old.get(key) != new.get(key)]
 
 
 class ResultLog:
-    """Append-only JSONL of finished records, keyed by ``(suite, method, key)``."""
+    """Append-only JSONL of the finished records of one run configuration, keyed by ``(method, key)``.
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.records: dict[tuple[str, str, str], dict] = {}
+    Args:
+        path: The ``.jsonl`` file (created on the first record).
+        config: This run's `run_config`.
+        compute: Whether this run will add records. Without it, a file of legacy records only is read as legacy
+            (``legacy`` is True; records are those of the suite's legacy label), to summarize a finished old run.
+
+    Raises:
+        ValueError: the file holds records of another configuration (the message names what differs), or legacy
+            records when this run computes or the file also holds new records.
+    """
+
+    def __init__(self, path: Path, config: dict, compute: bool = True):
+        self.path, self.config, self.legacy = path, config, False
+        self.records: dict[tuple[str, str], dict] = {}
+        current, legacy = [], []
         if path.exists():
             text = path.read_text()
             if text and not text.endswith("\n"):  # a record cut short: start the next one on a fresh line
@@ -38,19 +138,66 @@ class ResultLog:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by an interruption: redo that unit
                     continue
-                self.records[(record["suite"], record["method"], record["key"])] = record
+                if "run" not in record:
+                    legacy.append(record)
+                elif config_differences(record["run"], config):
+                    raise ValueError(self._foreign(record["run"]))
+                else:
+                    current.append(record)
+        if legacy and (compute or current):
+            raise ValueError(
+                f"{path} holds {len(legacy)} legacy records (written before records named their model and settings), "
+                "so nothing shows they belong to this run; write to another --out, or move the file away to start "
+                "over (summarizing them without computing, compute=False / accuracy.py --no-run, still works)")
+        if legacy:
+            self.legacy = True
+            label = "reasoning" if config["suite"] == "jsonl" else config["suite"]  # the jsonl suite's legacy label
+            current = [r for r in legacy if r.get("suite") == label]
+        for record in current:
+            self.records[(record["method"], record["key"])] = record
 
-    def has(self, suite: str, method: str, key: str) -> bool:
-        return (suite, method, key) in self.records
+    def _foreign(self, recorded: dict) -> str:
+        model = self.config["model"]["name"]
+        return (f"{self.path} holds results of another configuration than this run ({model}, suite "
+                f"{self.config['suite']}): {'; '.join(config_differences(recorded, self.config))} (recorded -> now); "
+                "resuming would mix them: write to another --out, or remove the file to start over")
 
-    def add(self, suite: str, method: str, key: str, payload: dict) -> None:
-        record = {"suite": suite, "method": method, "key": key, **payload}
-        self.records[(suite, method, key)] = record
+    def done(self, method: Method, key: str, item: str | None = None) -> bool:
+        """Whether ``(method, key)`` is recorded for this configuration.
+
+        Raises:
+            ValueError: it is recorded, but for another definition of the method or another item under that key.
+        """
+        record = self.records.get((method.name, key))
+        if record is None:
+            return False
+        if self.legacy:
+            return True
+        if record.get("method_spec") != method_spec(method):
+            raise ValueError(f"{self.path}: method {method.name!r} was recorded with another definition (its preset "
+                             "or fields changed since); write to another --out, or remove the file to start over")
+        if item is not None and record.get("item") != item:
+            raise ValueError(f"{self.path}: item {key!r} was recorded for another prompt, budget or checks under the "
+                             "same id; write to another --out, or remove the file to start over")
+        return True
+
+    def add(self, method: Method, key: str, payload: dict, item: str | None = None) -> None:
+        """Append a finished record (flushed to disk at once)."""
+        if self.legacy:
+            raise RuntimeError("legacy records are read, never added to")
+        record = {"suite": self.config["suite"], "method": method.name, "key": key, "run": self.config,
+                  "method_spec": method_spec(method), **({} if item is None else {"item": item}), **payload}
+        self.records[(method.name, key)] = record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def of(self, suite: str, method: str) -> list[dict]:
-        return [r for (s, m, _), r in self.records.items() if s == suite and m == method]
+    def get(self, method: Method, key: str) -> dict:
+        """The record of ``(method, key)`` (present: check with `done`)."""
+        return self.records[(method.name, key)]
+
+    def of(self, method: Method, keys: set[str] | None = None) -> list[dict]:
+        """The records of ``method`` (those with a key in ``keys`` if given), in the order they were written."""
+        return [r for (name, key), r in self.records.items() if name == method.name and (keys is None or key in keys)]
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32):
@@ -101,13 +248,17 @@ def run(
     batch_size: int = 8,
     sampling: dict | None = None,
     context: int = 1024,
+    seed: int | None = None,
+    tasks_digest: str | None = None,
+    model_name: str | None = None,
     compute: bool = True,
 ) -> dict:
     """Run ``suite`` for every method, resuming from ``out.jsonl``, and write the summary to ``out``.
 
     Args:
         model, tokenizer: The unpatched model (methods patch it temporarily) and its tokenizer.
-        methods: Methods to compare (the 16-bit reference among them).
+        methods: Methods to compare; the reference among them is labelled by the model's dtype
+            (`with_reference_label`: ``fp32`` for a float32 model).
         suite: ``accumulation``, ``reasoning``/``retrieval``/``jsonl`` (``items`` to generate), or ``worst-vectors``.
         out: Summary path; records go to ``out`` with suffix ``.jsonl``.
         text_ids: ``[1, T]`` text for accumulation/worst-vectors (default: held-out code, ``tokens`` long).
@@ -116,8 +267,16 @@ def run(
         greedy_prompt: ``[1, P]`` prompt of that comparison (default: the first 512 tokens of the text).
         items: `GenerationItem` list for the generation suites.
         sampling: ``generate`` sampling arguments (default greedy).
-        context: Cached tokens for worst-vectors (the rest of the text is scored).
-        compute: False only summarizes the records already in ``out.jsonl`` (a stopped run's partial table).
+        context: Cached tokens for worst-vectors (the rest of the text is scored); the retrieval items' length.
+        seed: The seed the caller set for sampling (and, for retrieval, made the items with); recorded when it
+            changes results: when sampling, and for retrieval.
+        tasks_digest: `file_digest` of the task file the ``jsonl`` items were read from (their answers).
+        model_name: How the model was named (``--model``), for messages; the model is identified by its weights.
+        compute: False only summarizes the records already in ``out.jsonl`` (a stopped run's partial table; also
+            legacy records, see the module docstring).
+
+    Raises:
+        ValueError: ``out.jsonl`` holds records of another configuration (or legacy records and ``compute``).
     """
     from .accumulation import accumulation_curve, greedy_divergence, reference_greedy
     from .tasks import generate_items
@@ -126,55 +285,95 @@ def run(
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; allowed: {SUITES}")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = ResultLog(out.with_suffix(".jsonl"))
     sampling = {"do_sample": False} if sampling is None else sampling
     if suite in ("accumulation", "worst-vectors") and text_ids is None:
         text_ids = default_text(tokenizer, tokens)
     if suite == "accumulation" and greedy_prompt is None:
         greedy_prompt = text_ids[:, :GREEDY_PROMPT]
-    name = "reasoning" if suite == "jsonl" else suite
+    identity = model_identity(model, model_name)
+    config = run_config(suite, identity, suite_settings(
+        suite, text_ids=text_ids, chunk=chunk, greedy_tokens=greedy_tokens, greedy_prompt=greedy_prompt,
+        batch_size=batch_size, sampling=sampling, context=context, seed=seed, tasks_digest=tasks_digest))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = ResultLog(out.with_suffix(".jsonl"), config, compute=compute)
+    label_dtype = LEGACY_REFERENCE_DTYPE if log.legacy else identity["dtype"]
+    methods = with_reference_label(methods, label_dtype)
+    reference = Method(reference_label(label_dtype), "reference")
+    keys = None if items is None else {it.id for it in items}
     for method in tqdm(methods if compute else [], desc=f"{suite}", unit="method"):
         if suite == "accumulation":
             if method.kind == "reference":
                 continue
-            if not log.has(name, method.name, "curve"):
+            if not log.done(method, "curve"):
                 static = method.kind == "kvarn" and method.config.tile_size == chunk
                 curve = accumulation_curve(model, text_ids, method, chunk, static=static)
-                log.add(name, method.name, "curve", {"curve": curve})
-            if not log.has(name, method.name, "greedy"):
-                if not log.has(name, REFERENCE, "greedy-tokens"):  # one 16-bit run serves every method
-                    tokens_16bit = reference_greedy(model, greedy_prompt, greedy_tokens).tolist()
-                    log.add(name, REFERENCE, "greedy-tokens", {"tokens": tokens_16bit})
-                reference = torch.tensor(log.records[(name, REFERENCE, "greedy-tokens")]["tokens"],
-                                         device=greedy_prompt.device)
-                log.add(name, method.name, "greedy",
-                        greedy_divergence(model, greedy_prompt, method, greedy_tokens, chunk, reference))
+                log.add(method, "curve", {"curve": curve})
+            if not log.done(method, "greedy"):
+                if not log.done(reference, "greedy-tokens"):  # one reference run serves every method
+                    log.add(reference, "greedy-tokens",
+                            {"tokens": reference_greedy(model, greedy_prompt, greedy_tokens).tolist()})
+                tokens_reference = torch.tensor(log.get(reference, "greedy-tokens")["tokens"],
+                                                device=greedy_prompt.device)
+                log.add(method, "greedy",
+                        greedy_divergence(model, greedy_prompt, method, greedy_tokens, chunk, tokens_reference))
         elif suite == "worst-vectors":
-            if method.kind == "kvarn" and not log.has(name, method.name, "worst"):
-                log.add(name, method.name, "worst", worst_vectors(model, text_ids, method, context))
+            if method.kind == "kvarn" and not log.done(method, "worst"):
+                log.add(method, "worst", worst_vectors(model, text_ids, method, context))
         else:
-            todo = [it for it in items if not log.has(name, method.name, it.id)]
+            digests = {it.id: item_digest(it) for it in items}
+            todo = [it for it in items if not log.done(method, it.id, digests[it.id])]
             progress = tqdm(total=len(todo), desc=method.name, unit="item", leave=False)
             for record in generate_items(model, tokenizer, todo, method, batch_size=batch_size, sampling=sampling):
-                log.add(name, method.name, record["id"], record)
+                log.add(method, record["id"], record, item=digests[record["id"]])
                 progress.update()
             progress.close()
-    summary = summarize(log, methods, name, model.config)
+    summary = summarize(log, methods, suite, model.config, keys)
     summary["settings"] = {"suite": suite, "sampling": sampling, "chunk": chunk, "tokens": int(text_ids.shape[1])
                            if text_ids is not None else None, "greedy_tokens": greedy_tokens, "greedy_prompt_tokens":
-                           None if greedy_prompt is None else int(greedy_prompt.shape[1]), "context": context}
+                           None if greedy_prompt is None else int(greedy_prompt.shape[1]), "context": context,
+                           "legacy_records": log.legacy}
+    summary["run"] = None if log.legacy else config
     out.write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def summarize(log: ResultLog, methods: list[Method], suite: str, model_config) -> dict:
-    """Per-method summary of the records of ``suite``."""
+def suite_settings(
+    suite: str,
+    *,
+    text_ids: torch.Tensor | None,
+    chunk: int,
+    greedy_tokens: int,
+    greedy_prompt: torch.Tensor | None,
+    batch_size: int,
+    sampling: dict,
+    context: int,
+    seed: int | None,
+    tasks_digest: str | None,
+) -> dict:
+    """The settings of ``suite`` that change its results (see `run` for the arguments); the others are left out,
+    so that changing them does not block a resume."""
+    if suite == "accumulation":
+        return {"text": tensor_digest(text_ids), "text_tokens": int(text_ids.shape[1]), "chunk": chunk,
+                "greedy_prompt": tensor_digest(greedy_prompt), "greedy_prompt_tokens": int(greedy_prompt.shape[1]),
+                "greedy_tokens": greedy_tokens}
+    if suite == "worst-vectors":
+        return {"text": tensor_digest(text_ids), "text_tokens": int(text_ids.shape[1]), "context": context}
+    settings = {"sampling": sampling, "batch_size": batch_size,
+                "seed": seed if sampling.get("do_sample") or suite == "retrieval" else None}
+    if suite == "retrieval":
+        settings["context"] = context
+    if suite == "jsonl":
+        settings["tasks"] = tasks_digest
+    return settings
+
+
+def summarize(log: ResultLog, methods: list[Method], suite: str, model_config, keys: set[str] | None = None) -> dict:
+    """Per-method summary of the records in ``log`` (of the generation items ``keys`` only, if given)."""
     rows = {}
     for method in methods:
-        records = log.of(suite, method.name)
-        if suite in ("reasoning", "retrieval") and records:
-            checks = [k for k in records[0] if k not in ("suite", "method", "key", "id", "new_tokens", "text")]
+        records = log.of(method, keys)
+        if suite in ("reasoning", "retrieval", "jsonl") and records:
+            checks = [k for k in records[0] if k not in (*_META, "id", "new_tokens", "text")]
             row = {"n": len(records)}
             for check in checks:
                 correct = sum(bool(r[check]) for r in records)
@@ -194,10 +393,10 @@ def summarize(log: ResultLog, methods: list[Method], suite: str, model_config) -
                         row["kl_last_static"] = curve[-1]["kl_static"]
                         row["kl_curve_static"] = [c["kl_static"] for c in curve]
                     row["attn_err_last"] = curve[-1]["attn_err"]
-                else:
-                    row.update({k: v for k, v in record.items() if k not in ("suite", "method", "key")})
+                elif record["key"] == "greedy":
+                    row.update({k: v for k, v in record.items() if k not in _META})
         elif suite == "worst-vectors" and records:
-            row = {k: v for k, v in records[0].items() if k not in ("suite", "method", "key")}
+            row = {k: v for k, v in records[0].items() if k not in _META}
         else:
             continue
         tokens = 4096

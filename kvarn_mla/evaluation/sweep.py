@@ -17,13 +17,12 @@ resumable).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 
 from ..config import QUANTIZERS
-from .methods import parse_methods
+from .methods import backend_problem, parse_methods
 from .runner import load_model, run
 from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text
 
@@ -46,15 +45,12 @@ def mla_grid(bits=BITS) -> list[str]:
 def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
     """transformers' own quantized caches that can run here (at ``bits`` among 2 and 4), and why the others cannot."""
     runnable, missing = ["hf-fp8"], {}
-    for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
-        try:
-            found = importlib.util.find_spec(package) is not None
-        except ModuleNotFoundError:
-            found = False
-        if found:
+    for backend in ("quanto", "hqq"):
+        problem = backend_problem(backend)
+        if problem is None:
             runnable += [f"hf-{backend}-{b}" for b in bits if b in (2, 4)]
         else:
-            missing[f"hf-{backend}"] = f"python package {package!r} is not installed"
+            missing[f"hf-{backend}"] = problem
     return runnable, missing
 
 

@@ -19,6 +19,37 @@ CAPACITY_BUDGET_GIB = 64  # cache memory the capacity column fills
 CAPACITY_CONTEXT = 32768  # context at which bytes per token are counted
 BYTES_METHODS = ["bf16", "hf-fp8", "kivi-k2v2", "k4v2", "k2v2", "k4v2-r8"]
 FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
+# How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
+# results written before that call it "bf16" whatever the dtype.
+REFERENCE_LABELS = ("fp32", "bf16", "fp16")
+BENCH_FILES = ("bench_cpu.json", "bench_decode_cpu.json")
+
+
+def checkout_results() -> Path:
+    """The committed ``benchmarks/results`` of the checkout this package runs from (an editable install).
+
+    Raises:
+        ValueError: there is none (an installed package has no results next to it): the message says to pass
+            ``--results``.
+    """
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    if not results.is_dir():
+        raise ValueError(f"no results to report: kvarn_mla does not run from a checkout with committed results "
+                         f"({results} does not exist); pass --results DIR (a checkout's benchmarks/results, or "
+                         "a directory of `kvarn-mla bench --out` and accuracy/*.json summaries)")
+    return results
+
+
+def result_files(results: Path) -> list[Path]:
+    """The files under ``results`` that the report reads (accuracy summaries, decode benchmarks)."""
+    accuracy = [results / "accuracy" / f"{model}-{suite}.json" for model in FAMILY_OF
+                for suite in (*ACCUMULATION_TEXTS, "reasoning", "worst-vectors")]
+    return [path for path in (*accuracy, *(results / name for name in BENCH_FILES)) if path.is_file()]
+
+
+def reference_row(rows: dict) -> dict:
+    """The unquantized reference's row among a summary's method rows (under whichever label it has), or {}."""
+    return next((rows[label] for label in REFERENCE_LABELS if label in rows), {})
 
 
 def bytes_section(out: Path) -> tuple[list[str], dict]:
@@ -124,10 +155,13 @@ def accuracy_section(results: Path, out: Path) -> tuple[list[str], dict]:
     accuracy = results / "accuracy"
     lines = ["## 2. Accuracy of the reference models\n",
              "The three reference models differ only in attention (`benchmarks/models/README.md`). "
-             "Accumulation: KL divergence of next-token distributions against the 16-bit cache per 128-token "
+             "Accumulation: KL divergence of next-token distributions against the unquantized cache per 128-token "
              "chunk, when each chunk's K/V inherit the quantized past (solid) and when the past is quantized from "
-             "the 16-bit forward pass (static, dashed). Reasoning: exact match of the whole scratchpad on held-out "
-             "long-chain problems, greedy, with 95% Wilson intervals.\n"]
+             "the unquantized forward pass (static, dashed). Reasoning: exact match of the whole scratchpad on "
+             "held-out long-chain problems, greedy, with 95% Wilson intervals. The unquantized reference is "
+             "labelled by the dtype the model ran in (`fp32`, `bf16`, `fp16`); summaries written before that label "
+             "it `bf16` whatever the dtype (the sweep runs float32). Bytes per token count 16-bit elements "
+             "wherever a cache keeps full precision, as a bf16 deployment holds them.\n"]
     numbers: dict = {}
     points = []
     for model in ("mha", "gqa", "mla"):
@@ -202,7 +236,7 @@ def discussion(byte_numbers: dict, accuracy: dict, speed: dict) -> list[str]:
     for model, data in accuracy.items():
         family = FAMILY_OF[model]
         rea = data.get("reasoning") or {}
-        ref = rea.get("bf16", {}).get("exact", {}).get("accuracy")
+        ref = reference_row(rea).get("exact", {}).get("accuracy")
         if ref is None:
             continue
         drops = []
@@ -218,7 +252,7 @@ def discussion(byte_numbers: dict, accuracy: dict, speed: dict) -> list[str]:
             if kv2 is not None and ki2 is not None:
                 kl += (f" On {text}, the last accumulation chunk at 2 bits ends at KL {kv2:.4f} (KVarN) vs "
                        f"{ki2:.4f} (KIVI-style).")
-        lines.append(f"- {family} reference model: 16-bit exact match {ref:.1%}; change in points: "
+        lines.append(f"- {family} reference model: unquantized-cache exact match {ref:.1%}; change in points: "
                      f"{', '.join(drops) or 'n/a'} (section 2).{kl}")
     if speed.get("rows"):
         mla = [r for r in speed["rows"] if r["family"] == "mla"]
@@ -238,17 +272,25 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
     """Write ``out/report.md`` and ``out/report.html`` (with the PNG charts) from ``results``.
 
     Args:
-        results: The results directory (``benchmarks/results`` by default in the CLI).
+        results: The results directory (the CLI's default: `checkout_results`).
         out: Output directory.
-        rerun: Recompute the benchmark and accuracy results first (slow).
+        rerun: Recompute the benchmark and accuracy results into ``results`` first (slow).
+
+    Raises:
+        ValueError: ``results`` holds none of the files the report reads (`result_files`): a report of nothing
+            measured is an error, not an empty success.
     """
-    out.mkdir(parents=True, exist_ok=True)
     if rerun:
         from ..evaluation.bench import run_bench
         from ..evaluation.sweep import sweep
 
         run_bench(["mla", "gqa", "mha"], [1024, 4096, 8192, 16384], 3, results)
         sweep(results / "accuracy")
+    if not result_files(results):
+        where = "does not exist" if not results.exists() else "holds none of them"
+        raise ValueError(f"no results to report in {results} ({where}): the report reads accuracy/<mha|gqa|mla>-"
+                         f"<suite>.json summaries and {' or '.join(BENCH_FILES)}; pass --results DIR with them")
+    out.mkdir(parents=True, exist_ok=True)
     byte_lines, byte_numbers = bytes_section(out)
     accuracy_lines, accuracy = accuracy_section(results, out)
     speed_lines, speed = speed_section(results, out)
