@@ -4,6 +4,11 @@ Runs `kvarn_mla.evaluation.sweep.sweep` (every reference model × method × bit 
 into `benchmarks/results/accuracy/`, then rebuilds the report (`benchmarks/report/`), whose tables and PNG curves
 are the results' presentation.
 
+A rerun resumes only records of the same configuration (the same checkpoint weights, suite settings and method
+definitions; `kvarn_mla.evaluation.runner`); it stops, naming what differs, at records of another one, and at the
+legacy records written before records named their configuration: move those away to measure new checkpoints.
+`--no-run` still rebuilds the summaries from legacy records.
+
     python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
     python benchmarks/accuracy.py --models mla --suites accumulation-reasoning,reasoning --items 20 --bits 2,4
 """
@@ -62,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(HERE / "results" / "accuracy", args.models.split(",")))
         return 0
     torch.set_num_threads(args.threads)
-    results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
-                    suites=args.suites.split(","), batch_size=args.batch_size,
-                    bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
-                    families=tuple(args.families.split(",")) if args.families else None)
+    try:
+        results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
+                        suites=args.suites.split(","), batch_size=args.batch_size,
+                        bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
+                        families=tuple(args.families.split(",")) if args.families else None)
+    except ValueError as error:  # records of another configuration, an unknown suite
+        print(f"accuracy.py: error: {error}", file=sys.stderr)
+        return 2
     if results["_missing_baselines"]:
         print("baselines that could not run:", results["_missing_baselines"])
     print("report:", build_report(HERE / "results", HERE / "report"))

@@ -12,7 +12,7 @@ For each bundled reference model (MHA, GQA, MLA) it runs
 
 for KVarN, KIVI-style RTN and rotation-only at 2, 3 and 4 bits, transformers' quantized caches where they install,
 and for MLA the latent-bits × RoPE-bits grid. Results land in ``OUT/{model}-{suite}.json`` (+ ``.jsonl`` records,
-resumable).
+resumable for the same configuration only: see `kvarn_mla.evaluation.runner`).
 """
 
 from __future__ import annotations
