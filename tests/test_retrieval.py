@@ -211,7 +211,18 @@ def test_eval_cli_scores_fresh_held_out_items(tok, tmp_path, capsys):
     assert main([*args, "--seed", "3"]) == 2  # a training seed is refused
     assert "training seed" in capsys.readouterr().err
     assert main([*args, "--seed", str(HELD_OUT_SEED)]) == 0
-    row = json.loads(out.read_text())["methods"]["bf16"]
+    row = json.loads(out.read_text())["methods"]["fp32"]
     assert row["n"] == 2 and row["exact"]["correct"] == 0 and set(row) >= {"exact", "numbers"}  # random weights
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     assert [r["key"] for r in records] == [f"retrieval-512-{HELD_OUT_SEED}-{i}" for i in range(2)]
+
+
+def test_demo_has_a_long_context_retrieval_prompt(tok):
+    from kvarn_mla.evaluation.demo import DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, demo_prompts
+
+    prompts = {p.name.split()[0]: p for p in demo_prompts(tok, None, 150)}
+    item = RT.make_item(tok, DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, 0)
+    assert set(prompts) == {"reasoning", "retrieval", "code"} and item.split == "held_out"
+    p = prompts["retrieval"]
+    assert p.ids.shape[1] == item.prompt_tokens and p.new_tokens == item.target_tokens + 4
+    assert p.check(item.target) and not p.check(item.target[:-1])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAMES = ("mla", "gqa", "mha")
+CODE_TARGET = 0.8  # held-out code NLL per token at most this times the text's own unigram entropy
 
 
 def kv_bytes_per_token_layer(cfg: dict) -> int:
@@ -31,57 +32,165 @@ def attention(cfg: dict) -> str:
     return f"{heads} q heads / {cfg['num_key_value_heads']} kv heads x {cfg.get('head_dim')}"
 
 
+def table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+
+
 def main() -> None:
     runs = {n: json.loads((RESULTS / f"{n}.json").read_text()) for n in NAMES if (RESULTS / f"{n}.json").exists()}
     if not runs:
         sys.exit(f"no results in {RESULTS}")
-    print("| model | class | attention | params (non-emb.) | KV bytes/token/layer (16-bit) | checkpoint |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for n, m in runs.items():
         c, p = m["config"], m["params"]
-        full = {**c, "num_attention_heads": c.get("num_attention_heads"), "hidden_size": c.get("hidden_size")}
-        print(
-            f"| {n} | `{m['architecture']}` | {attention(full)} | {p['total'] / 1e6:.2f}M "
-            f"({p['non_embedding'] / 1e6:.2f}M) | {kv_bytes_per_token_layer(full)} | "
-            f"{m['checkpoint_bytes'] / 2**20:.2f} MiB |"
+        rows.append(
+            [
+                n,
+                f"`{m['architecture']}`",
+                attention(c),
+                f"{p['total'] / 1e6:.2f}M ({p['non_embedding'] / 1e6:.2f}M)",
+                str(kv_bytes_per_token_layer(c)),
+                f"{c.get('rope_parameters', {}).get('rope_theta', 0):,.0f}",
+                f"{m['checkpoint_bytes'] / 2**20:.2f} MiB",
+            ]
         )
-    print()
-    print("| model | steps | tokens seen (loss tokens; reasoning targets) | train time | final loss (last 20 steps) |")
-    print("|---|---|---|---|---|")
+    table(
+        [
+            "model",
+            "class",
+            "attention",
+            "params (non-emb.)",
+            "KV bytes/token/layer (16-bit)",
+            "RoPE base",
+            "checkpoint",
+        ],
+        rows,
+    )
+
+    rows = []
     for n, m in runs.items():
         s = m["tokens_seen"]
-        print(
-            f"| {n} | {m['steps_done']} | {s['input_tokens'] / 1e6:.2f}M ({s['loss_tokens'] / 1e6:.2f}M; "
-            f"{s['reasoning_loss_tokens'] / 1e6:.2f}M) | {m['train_seconds'] / 60:.1f} min | "
-            f"{m['final_train_loss_mean_last_20']:.3f} |"
+        rows.append(
+            [
+                n,
+                str(m["steps_done"]),
+                f"{s['input_tokens'] / 1e6:.2f}M",
+                f"{s['code_tokens'] / 1e6:.2f}M",
+                f"{(s['reasoning_tokens'] + s['prompt_tokens']) / 1e6:.2f}M",
+                f"{s['retrieval_tokens'] / 1e3:.0f}k",
+                f"{m['train_seconds'] / 3600:.2f} h",
+                f"{m['final_train_loss_mean_last_20']:.3f}",
+            ]
         )
-    print()
-    print(
-        "| model | held-out code ppl | unigram ppl | code tokens scored | reasoning exact match | "
-        "95% Wilson | final answer only |"
+    table(
+        [
+            "model",
+            "steps",
+            "tokens seen",
+            "code targets",
+            "reasoning targets (with prompts)",
+            "retrieval targets",
+            "train time",
+            "final loss (last 20 steps)",
+        ],
+        rows,
     )
-    print("|---|---|---|---|---|---|---|")
-    for n, m in runs.items():
-        c, r = m["held_out_code"], m["held_out_reasoning"]
-        lo, hi = r["wilson95"]
-        print(
-            f"| {n} | {c['perplexity']:.2f} | {c['unigram_perplexity']:.1f} | {c['tokens_scored']:,} | "
-            f"{r['exact_match']:.3f} ({r['correct']}/{r['n']}) | {lo:.3f}-{hi:.3f} | {r['final_answer_acc']:.3f} |"
+
+    if all("held_out_code" in m for m in runs.values()):
+        rows = []
+        for n, m in runs.items():
+            c = m["held_out_code"]
+            ok = c["nll_over_own_unigram_entropy"] <= CODE_TARGET
+            rows.append(
+                [
+                    n,
+                    f"{c['nll_per_token']:.3f}",
+                    f"{c['own_unigram_entropy']:.3f}",
+                    f"**{c['nll_over_own_unigram_entropy']:.3f}**" + (" (met)" if ok else " (missed)"),
+                    f"{c['train_unigram_cross_entropy']:.3f}",
+                    f"{c['tokens_scored']:,} ({c['files']} files)",
+                ]
+            )
+        table(
+            [
+                "model",
+                "held-out code NLL (nats/token)",
+                "the text's own unigram entropy",
+                "ratio (target <= 0.8)",
+                "train-unigram cross-entropy",
+                "tokens scored",
+            ],
+            rows,
         )
-    print()
+
+    if all("held_out_reasoning" in m for m in runs.values()):
+        rows = []
+        for n, m in runs.items():
+            r = m["held_out_reasoning"]
+            lo, hi = r["wilson95"]
+            rows.append(
+                [
+                    n,
+                    f"**{r['exact_match']:.2f}** ({r['correct']}/{r['n']})",
+                    f"{lo:.3f}-{hi:.3f}",
+                    f"{r['final_answer_acc']:.2f}",
+                    f"{r['correct_2000_plus_tokens']}/{r['items_2000_plus_tokens']}",
+                    f"{r['mean_target_tokens']:.0f} / {r['max_target_tokens']}",
+                ]
+            )
+        table(
+            [
+                "model",
+                "reasoning exact match",
+                "95% Wilson",
+                "final answer only",
+                "items of 2,000+ tokens solved",
+                "generated tokens mean / max",
+            ],
+            rows,
+        )
+
+    contexts = sorted({res["context"] for m in runs.values() for res in m.get("held_out_retrieval", [])})
+    if contexts:
+        rows = []
+        for n, m in runs.items():
+            by = {res["context"]: res for res in m.get("held_out_retrieval", [])}
+            cells = []
+            for c in contexts:
+                res = by.get(c)
+                cells.append(
+                    f"{res['exact_match']:.2f} ({res['correct']}/{res['n']}; numbers {res['answer_acc']:.2f})"
+                    if res
+                    else "-"
+                )
+            rows.append([n, *cells])
+        table(["model", *(f"retrieval @ {c:,} tokens: exact (numbers)" for c in contexts)], rows)
+
     steps = sorted({h["step"] for m in runs.values() for h in m["history"] if "tf_acc_cell" in h})
     if steps:
-        print(
-            "Monitoring during training (16 other held-out items; teacher-forced cell accuracy / greedy exact match):\n"
+        keys = sorted(
+            {k for m in runs.values() for h in m["history"] for k in h if k.endswith("_tf_all")},
+            key=lambda k: int(k.split("_")[1]),
         )
-        print("| step | " + " | ".join(runs) + " |")
-        print("|---|" + "---|" * len(runs))
+        print(
+            "Monitoring during training (teacher-forced on other held-out items: reasoning cell accuracy; share of "
+            "retrieval items with every target token right at "
+            + ", ".join(k.split("_")[1] for k in keys)
+            + " tokens):\n"
+        )
+        rows = []
         for st in steps:
             cells = []
             for m in runs.values():
                 h = next((h for h in m["history"] if h["step"] == st and "tf_acc_cell" in h), None)
-                cells.append(f"{h['tf_acc_cell']:.3f} / {h['monitor_exact_match']:.2f}" if h else "")
-            print(f"| {st} | " + " | ".join(cells) + " |")
+                cells.append(f"{h['tf_acc_cell']:.3f} / " + " / ".join(f"{h[k]:.2f}" for k in keys) if h else "")
+            phase = next(h["phase"] for m in runs.values() for h in m["history"] if h["step"] == st)
+            rows.append([str(st), phase, *cells])
+        table(["step", "phase", *runs], rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`kvarn-mla demo`: one model, a reasoning prompt and a code prompt, the 16-bit cache against KVarN presets."""
+"""`kvarn-mla demo`: one model, a reasoning prompt, a long-context retrieval prompt and a code prompt, the 16-bit cache
+against KVarN presets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from . import reasoning
+from . import reasoning, retrieval
 from .methods import Method, parse_methods, require_available, with_reference_label
 
 
@@ -28,6 +29,10 @@ class _Progress(BaseStreamer):
         pass
 
 
+DEMO_RETRIEVAL_CONTEXT = 2048  # tokens of the retrieval prompt (prompt + answer)
+DEMO_RETRIEVAL_SEED = 31_337  # a held-out seed (outside retrieval.TRAIN_SEEDS)
+
+
 @dataclass
 class Prompt:
     name: str
@@ -37,7 +42,8 @@ class Prompt:
 
 
 def demo_prompts(tokenizer, new_tokens: int | None, prompt_tokens: int) -> list[Prompt]:
-    """A held-out reasoning item (when the tokenizer knows the task's format tokens) and held-out code."""
+    """A held-out reasoning item and a held-out retrieval item (when the tokenizer knows the tasks' format tokens) and
+    held-out code."""
     prompts = []
     if reasoning.SCRATCHPAD in tokenizer.get_vocab():
         item = reasoning.make_item(0, "held_out", min_rows=24, max_rows=24)  # 408 generated tokens
@@ -45,6 +51,12 @@ def demo_prompts(tokenizer, new_tokens: int | None, prompt_tokens: int) -> list[
         target = len(tokenizer(item.target, add_special_tokens=False).input_ids) + 4
         prompts.append(Prompt(f"reasoning ({item.num_rows} rows)", ids, min(target, new_tokens or target),
                               lambda text, item=item: reasoning.check(item, text)))
+    if retrieval.KEY in tokenizer.get_vocab():  # a held-out item: its answers sit in quantized tiles far back
+        item = retrieval.make_item(tokenizer, DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, 0)
+        ids = tokenizer(item.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        target = item.target_tokens + 4
+        prompts.append(Prompt(f"retrieval ({item.prompt_tokens:,}-token prompt)", ids,
+                              min(target, new_tokens or target), lambda text, item=item: retrieval.check(item, text)))
     from .data import read_code_files
 
     code = next(f for f in read_code_files("held_out") if len(f.text) > 8 * prompt_tokens)
