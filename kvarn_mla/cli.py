@@ -144,6 +144,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
+    from .evaluation import reasoning
     from .evaluation.methods import parse_methods, reference_label, require_available
     from .evaluation.runner import file_digest, load_model, run
     from .evaluation.tasks import jsonl_items, reasoning_items, retrieval_items
@@ -166,7 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
     items = None
     batch_size = args.batch_size or (1 if args.suite == "retrieval" else 8)
     if args.suite == "reasoning":
-        items = reasoning_items(tokenizer, args.limit)
+        items = reasoning_items(tokenizer, args.limit, task=reasoning.task_of(model.config))  # the version it learned
     elif args.suite == "retrieval":  # --context tokens per item, fresh held-out items of --seed
         items = retrieval_items(tokenizer, args.context, args.seed, args.limit)
     elif args.suite == "jsonl":

@@ -44,8 +44,9 @@ def test_load_offline_and_solve_a_held_out_item(name, monkeypatch):
     assert tok.tokenize("1234") == ["1", "2", "3", "4"]
     assert all(len(tok(s, add_special_tokens=False)["input_ids"]) == 1 for s in R.SPECIAL_TOKENS)
     # Teacher-forced greedy: the argmax at every target position is the reference token, which is what
-    # greedy decoding needs to reproduce the whole scratchpad (one forward pass instead of ~600 steps).
-    item = R.make_item(0, "held_out")
+    # greedy decoding needs to reproduce the whole scratchpad (one forward pass instead of ~600 steps), on an item
+    # of the task version the checkpoint records (version 1 when it records none).
+    item = R.make_item(0, "held_out", task=R.task_of(cfg))
     prompt = tok(item.prompt, add_special_tokens=False)["input_ids"]
     target = tok(item.target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     with torch.no_grad():
@@ -148,12 +149,12 @@ def test_rows_of_every_kind(smoke_tokenizer):
                     )
                     assert set(kinds[1:]) == {tr.CODE} and set(off) == {0}
                 elif source[0] == "reasoning":
-                    item = R.make_item(source[1], "train", min_rows=1, max_rows=phase.max_rows)
+                    item = R.make_item(source[1], "train", task=tr.TASK, min_rows=1, max_rows=phase.max_rows)
                     prompt, target = data.encode_item(item)
                     assert tokens == prompt + target[: source[2]]
                     assert kinds[1:] == ([tr.PROMPT] * len(prompt) + [tr.REASONING] * source[2])[1:]
                     if phase.mix[r] == "o":
-                        assert source[2] == min(len(target), recipe.opening_rows * R.ROW_TOKENS)
+                        assert source[2] == min(len(target), recipe.opening_rows * tr.TASK.row_tokens)
                 else:
                     context, seed, index = source[1:]
                     assert seed in RT.TRAIN_SEEDS
@@ -200,6 +201,9 @@ def test_training_script_smoke(tmp_path):
     assert [h["lr"] for h in metrics["history"]] == [smoke.lr_at(i) for i in range(6)]
     assert all({"loss_code", "loss_reasoning"} <= set(h) for h in metrics["history"])
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
+    # the checkpoint records the task version it was trained on, and the evaluation used it
+    assert R.task_of(json.loads((tmp_path / "ckpt" / "config.json").read_text())) is train_reference.TASK is R.V2
+    assert metrics["held_out_reasoning"]["task"] == R.V2.to_dict()
     code = metrics["held_out_code"]
     assert code["tokens_scored"] > 0 and code["own_unigram_entropy"] > 0
     assert code["nll_over_own_unigram_entropy"] == code["nll_per_token"] / code["own_unigram_entropy"]
@@ -240,19 +244,72 @@ def test_training_script_smoke(tmp_path):
         ]
     )
     assert [r["context"] for r in merged["held_out_retrieval"]] == [320, 640]
+    _ship_the_smoke_run(tmp_path, results)
+
+
+def _ship_the_smoke_run(tmp_path, results):
+    # ship.py installs a finished run: the checkpoint with the recipe's reasoning task recorded (also when the run's
+    # checkpoint records none, as the version-2 runs' do not), the metrics next to it; refusals name the reason.
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import ship
+    finally:
+        sys.path.pop(0)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config[R.TASK_KEY]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    where = ["--run-dir", str(tmp_path), "--checkpoint", str(tmp_path / "ckpt"), "--run-results", str(results)]
+    where += ["--package", str(tmp_path / "pkg"), "--results-dir", str(tmp_path / "res"), "--smoke"]
+    assert ship.main(["mla", *where, "--contexts", "320,640", "--check"]) == 0 and not (tmp_path / "pkg").exists()
+    assert ship.main(["mla", *where, "--contexts", "320,640"]) == 0
+    installed = json.loads((tmp_path / "pkg" / "mla" / "config.json").read_text())
+    assert R.task_of(installed) is R.V2 and installed["dtype"] == "bfloat16"
+    shipped = json.loads((tmp_path / "res" / "mla.json").read_text())
+    assert (
+        shipped["held_out_reasoning"]["task"] == R.V2.to_dict()
+        and shipped["history"] == json.loads(results.read_text())["history"]
+    )
+    assert shipped["checkpoint_bytes"] == sum(f.stat().st_size for f in (tmp_path / "pkg" / "mla").iterdir())
+    assert ship.main(["mla", *where, "--contexts", "320,2048"]) == 1  # installed; the missing eval is named
+    partial = json.loads(results.read_text()) | {"steps_done": 3}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    assert ship.main(["mla", *where, "--run-results", str(tmp_path / "partial.json")]) == 2
+    _summarize_the_shipped_run(tmp_path / "res")
+
+
+def _summarize_the_shipped_run(results):
+    # summarize.py --readme fills a template's table lines from the results and refuses placeholders left for prose
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import summarize
+    finally:
+        sys.path.pop(0)
+    for name in ("gqa", "mha"):
+        (results / f"{name}.json").write_text((results / "mla.json").read_text())
+    runs = summarize.load_runs(results)
+    page = summarize.fill("# Models\n\nTABLE_MODELS\n\n## Recipe\n\nRECIPE\n\nRESULTS\n", runs)
+    assert page.startswith("# Models\n\n| model | class |") and "| warm | 2 | 3 x 640 |" in page
+    assert "reasoning exact match" in page and "retrieval @ 320 tokens" in page and "RESULTS" not in page
+    with pytest.raises(ValueError, match="placeholder: 'PILOTS'"):
+        summarize.fill("RESULTS\n\nPILOTS\n", runs)
+    with pytest.raises(ValueError, match="results missing: mha"):
+        summarize.fill("RESULTS\n", {n: m for n, m in runs.items() if n != "mha"})
 
 
 def test_accumulation_texts_of_the_reasoning_task():
     from kvarn_mla.evaluation.tasks import reasoning_chain_prompt, reasoning_text
 
-    tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
-    text = reasoning_text(tok, 1024)
-    first = tok(R.make_item(0).text, add_special_tokens=False).input_ids
+    path = reference_models.path("gqa")
+    tok = AutoTokenizer.from_pretrained(path)
+    task = R.task_of(json.loads((path / "config.json").read_text()))
+    text = reasoning_text(tok, 1024, task=task)
+    first = tok(R.make_item(0, task=task).text, add_special_tokens=False).input_ids
     assert text.shape == (1, 1024) and text[0, : len(first)].tolist() == first  # items back to back, in order
-    prompt, target_tokens = reasoning_chain_prompt(tok, rows=48)
-    item = R.make_item(0, min_rows=48, max_rows=48)
+    prompt, target_tokens = reasoning_chain_prompt(tok, task=task)  # a chain of the task's most rows
+    item = R.make_item(0, task=task, min_rows=task.max_rows, max_rows=task.max_rows)
     assert tok.decode(prompt[0]) == item.prompt
-    assert target_tokens == 48 * R.ROW_TOKENS + 1  # digits and the row break are single tokens; answer mark + digit
+    # digits and the row break are single tokens; answer mark + digit
+    assert target_tokens == task.max_rows * task.row_tokens + 1
 
 
 def test_error_probe_places_every_target_token():
@@ -261,13 +318,14 @@ def test_error_probe_places_every_target_token():
         from probe_errors import place
     finally:
         sys.path.pop(0)
-    row = R.ROW_TOKENS
-    assert [place(i, 2) for i in (0, 1, 2, row - 2, row - 1)] == [
+    row = R.V2.row_tokens
+    assert [place(i, 2, R.V2) for i in (0, 1, 2, row - 2, row - 1)] == [
         "first row counter",
         "first row counter",
         "first row cell",
         "first row cell",
         "first row break",
     ]
-    assert place(row, 2) == "later row counter" and place(2 * row - 1, 2) == "later row break"  # <|answer|>
-    assert place(2 * row, 2) == place(2 * row + 1, 2) == "answer / end of text"
+    assert place(row, 2, R.V2) == "later row counter" and place(2 * row - 1, 2, R.V2) == "later row break"  # answer
+    assert place(2 * row, 2, R.V2) == place(2 * row + 1, 2, R.V2) == "answer / end of text"
+    assert place(R.V1.row_tokens, 2, R.V1) == "later row counter"

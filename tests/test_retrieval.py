@@ -220,7 +220,7 @@ def test_eval_cli_scores_fresh_held_out_items(tok, tmp_path, capsys):
 def test_demo_has_a_long_context_retrieval_prompt(tok):
     from kvarn_mla.evaluation.demo import DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, demo_prompts
 
-    prompts = {p.name.split()[0]: p for p in demo_prompts(tok, None, 150)}
+    prompts = {p.name.split()[0]: p for p in demo_prompts(tok, None, 150, R.V2)}
     item = RT.make_item(tok, DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, 0)
     assert set(prompts) == {"reasoning", "retrieval", "code"} and item.split == "held_out"
     p = prompts["retrieval"]

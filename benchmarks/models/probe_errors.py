@@ -1,7 +1,7 @@
 """Where a reference model's teacher-forced predictions go wrong on held-out reasoning items.
 
 Counts wrong argmax tokens by place in the scratchpad: the first generated row or a later one, and within a
-row the two-digit rows-to-go counter, the 16 cells or the row break; then the answer and end of text. This is
+row the two-digit rows-to-go counter, the cells or the row break; then the answer and end of text. This is
 the probe behind the openings phase in README.md (step 1400: the first row's counter held every error).
 
     python benchmarks/models/probe_errors.py gqa                        # the bundled checkpoint
@@ -28,25 +28,26 @@ from kvarn_mla import reference_models  # noqa: E402
 from kvarn_mla.evaluation import reasoning  # noqa: E402
 
 
-def place(index: int, num_rows: int) -> str:
-    """Where target token ``index`` of an item with ``num_rows`` generated rows sits, e.g. ``"first row counter"``."""
-    row, column = divmod(index, reasoning.ROW_TOKENS)
+def place(index: int, num_rows: int, task: reasoning.Task) -> str:
+    """Where target token ``index`` of an item of ``task`` with ``num_rows`` generated rows sits, e.g.
+    ``"first row counter"``."""
+    row, column = divmod(index, task.row_tokens)
     if row >= num_rows:
         return "answer / end of text"  # after <|answer|>, which fills the last row's break slot
-    cells_end = reasoning.COUNTER + reasoning.WIDTH
+    cells_end = reasoning.COUNTER + task.width
     part = "counter" if column < reasoning.COUNTER else "cell" if column < cells_end else "break"
     return f"{'first' if row == 0 else 'later'} row {part}"
 
 
 @torch.no_grad()
-def probe(model, tokenizer, items: int) -> tuple[Counter, Counter]:
-    """Wrong and total target tokens per :func:`place` over the first ``items`` held-out items."""
+def probe(model, tokenizer, items: int, task: reasoning.Task) -> tuple[Counter, Counter]:
+    """Wrong and total target tokens per :func:`place` over the first ``items`` held-out items of ``task``."""
     wrong, total = Counter(), Counter()
-    for item in reasoning.held_out_items(items):
+    for item in reasoning.held_out_items(items, task=task):
         prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
         target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         for index, ok in enumerate(target_hits(model, prompt, target)):
-            key = place(index, item.num_rows)
+            key = place(index, item.num_rows, task)
             total[key] += 1
             wrong[key] += not ok
     return wrong, total
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", choices=("mla", "gqa", "mha"))
     parser.add_argument("--state", type=Path, help="a training state (runs/<name>/state.pt) instead of the checkpoint")
     parser.add_argument("--items", type=int, default=100)
+    parser.add_argument(
+        "--task",
+        type=int,
+        choices=sorted(reasoning.TASKS),
+        help="reasoning task version (default: the checkpoint's; a --state of a run on another version needs it)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     checkpoint = reference_models.path(args.name)
@@ -65,8 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.state is not None:  # same architecture, the weights of that step (float32, as trained)
         model.load_state_dict(torch.load(args.state, weights_only=False)["model"])
     model.eval()
-    wrong, total = probe(model, tokenizer, args.items)
-    print(f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out items")
+    task = reasoning.TASKS[args.task] if args.task else reasoning.task_of(model.config)
+    wrong, total = probe(model, tokenizer, args.items, task)
+    print(
+        f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out items "
+        f"(task version {task.version})"
+    )
     for key in sorted(total):
         print(f"  {key:<22} {wrong[key]:>5} / {total[key]:,}")
 

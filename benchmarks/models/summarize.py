@@ -1,11 +1,20 @@
 """Print the README tables from ``benchmarks/models/results/*.json`` (every number comes from those files).
 
-python benchmarks/models/summarize.py > /tmp/tables.md
+    python benchmarks/models/summarize.py > /tmp/tables.md
+    python benchmarks/models/summarize.py --readme runs/README_draft.md > benchmarks/models/README.md
+
+``--readme`` fills a template: a line ``TABLE_MODELS`` becomes the models and training tables, ``RECIPE`` the phase
+table, ``RESULTS`` the held-out tables; it refuses while a model's results or evaluations are missing, or while the
+template still holds another all-capitals placeholder line (prose to write by hand).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -40,10 +49,13 @@ def table(header: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def main() -> None:
-    runs = {n: json.loads((RESULTS / f"{n}.json").read_text()) for n in NAMES if (RESULTS / f"{n}.json").exists()}
-    if not runs:
-        sys.exit(f"no results in {RESULTS}")
+def load_runs(results: Path = RESULTS) -> dict[str, dict]:
+    """``{name: metrics}`` of the models with a results file."""
+    return {n: json.loads((results / f"{n}.json").read_text()) for n in NAMES if (results / f"{n}.json").exists()}
+
+
+def models_section(runs: dict[str, dict]) -> None:
+    """The models table (class, attention, sizes, RoPE base) and the training table (steps, tokens, time)."""
     rows = []
     for n, m in runs.items():
         c, p = m["config"], m["params"]
@@ -100,6 +112,52 @@ def main() -> None:
         rows,
     )
 
+
+def recipe_section(runs: dict[str, dict]) -> None:
+    """The phase table of the recipe the runs share (``Recipe.phases`` as the results record it)."""
+    recipes = {json.dumps(m["recipe"], sort_keys=True) for m in runs.values()}
+    if len(recipes) != 1:
+        raise ValueError(f"the runs were trained with {len(recipes)} different recipes; the README describes one")
+    recipe = next(iter(runs.values()))["recipe"]
+    rows = []
+    for p in recipe["phases"]:
+        kinds = {"r": "reasoning", "o": "openings", "c": "code", "k": "retrieval"}
+        mix = ", ".join(f"{p['mix'].count(k)} {name}" for k, name in kinds.items() if k in p["mix"])
+        rows.append(
+            [
+                p["name"],
+                str(p["steps"]),
+                f"{len(p['mix'])} x {p['context']:,}",
+                mix,
+                f"{p['lr']:.0e}"
+                + ("" if p["final_lr"] == p["lr"] else f" -> {p['final_lr']:.0e}")
+                + (f" (warm-up {p['warmup']})" if p["warmup"] else ""),
+                str(p["max_rows"]) if set(p["mix"]) & {"r", "o"} else "-",
+                ", ".join(f"{c:,}" for c in p["retrieval"]) if "k" in p["mix"] else "-",
+                f"{p['span']:,}" if p["span"] else "-",
+                f"{(p['rope_theta'] or recipe['rope_theta']):,.0f}",
+                " / ".join(f"{w:g}" for w in p["weights"]),
+            ]
+        )
+    table(
+        [
+            "phase",
+            "steps",
+            "rows x tokens",
+            "rows per step",
+            "lr",
+            "reasoning rows up to",
+            "retrieval items (tokens)",
+            "position span",
+            "RoPE base",
+            "loss weights (reasoning / code / retrieval)",
+        ],
+        rows,
+    )
+
+
+def results_section(runs: dict[str, dict]) -> None:
+    """Held-out code, reasoning and retrieval tables, and the monitoring during training."""
     if all("held_out_code" in m for m in runs.values()):
         rows = []
         for n, m in runs.items():
@@ -193,5 +251,60 @@ def main() -> None:
         table(["step", "phase", *runs], rows)
 
 
+SECTIONS = {"TABLE_MODELS": models_section, "RECIPE": recipe_section, "RESULTS": results_section}
+
+
+def fill(template: str, runs: dict[str, dict]) -> str:
+    """``template`` with each placeholder line of :data:`SECTIONS` replaced by its tables.
+
+    Raises:
+        ValueError: a model's results or evaluations are missing, or another placeholder line remains.
+    """
+    absent = [n for n in NAMES if n not in runs]
+    lacking = [
+        f"{n}: {k}"
+        for n, m in runs.items()
+        for k in ("held_out_code", "held_out_reasoning", "held_out_retrieval")
+        if k not in m
+    ]
+    if absent or lacking:
+        raise ValueError(f"results missing: {', '.join(absent + lacking)}")
+    lines = []
+    for line in template.splitlines():
+        if line.strip() in SECTIONS:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                SECTIONS[line.strip()](runs)
+            lines.append(out.getvalue().rstrip("\n"))
+        elif re.fullmatch(r"[A-Z][A-Z_]{2,}", line.strip()) or re.search(r"\b(TODO|LEGS|PILOTS)\b", line):
+            raise ValueError(f"the template still holds a placeholder: {line.strip()!r}")
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory of <name>.json (default: committed)")
+    parser.add_argument("--readme", type=Path, help="a README template to fill (see the module docstring)")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.results)
+    if not runs:
+        print(f"no results in {args.results}", file=sys.stderr)
+        return 2
+    if args.readme:
+        try:
+            print(fill(args.readme.read_text(), runs), end="")
+        except ValueError as error:
+            print(f"summarize: {error}", file=sys.stderr)
+            return 2
+        return 0
+    models_section(runs)
+    if all("phases" in m["recipe"] for m in runs.values()):
+        recipe_section(runs)
+    results_section(runs)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -74,6 +74,7 @@ KIND_NAMES = {REASONING: "reasoning", CODE: "code", PROMPT: "prompt", RETRIEVAL:
 MONITOR_START = 100_000  # monitoring evals use held-out reasoning items from here, disjoint from the reported set
 MONITOR_SEED = 10_000  # retrieval monitoring seed (held out); the reported evaluations use other seeds
 EVAL_SEED = 20_000  # retrieval seed of the final evaluation (held out)
+TASK = reasoning.V2  # the reasoning task's version (row width, held-out rows) trained on; recorded in the checkpoint
 LONG_SCRATCHPAD = 2000  # generated tokens that make a reasoning item "long" in the reports
 ROW_KINDS = {
     "r": "reasoning items topped up with code",
@@ -118,7 +119,7 @@ class Phase:
     lr: float
     final_lr: float
     warmup: int = 0
-    max_rows: int = reasoning.MAX_ROWS
+    max_rows: int = TASK.max_rows
     retrieval: tuple[int, ...] = (512,)
     span: int = 0
     weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # loss weight of reasoning, code, retrieval (per kind)
@@ -393,7 +394,7 @@ class Data:
         # ~2 ms an item, most of a step's data time), checked against the tokenizer here.
         self._single = {t: tok.convert_tokens_to_ids(t) for t in reasoning.SPECIAL_TOKENS}
         self._single.update({d: tok.convert_tokens_to_ids(d) for d in "0123456789"})
-        item = reasoning.make_item(0, "train", min_rows=2, max_rows=2)
+        item = reasoning.make_item(0, "train", task=TASK, min_rows=2, max_rows=2)
         if self.encode_item(item) != self._tokenizer_encode(item):
             raise ValueError("the tokenizer does not keep the reasoning task's digits and format strings as one token")
 
@@ -480,14 +481,14 @@ class Data:
             add(self.code[start : start + n].tolist(), [CODE] * n, ("code", start))
         elif letter in "ro":
             first = g * 128
-            cap = self.r.opening_rows * reasoning.ROW_TOKENS if letter == "o" else n  # openings: a prefix of the target
+            cap = self.r.opening_rows * TASK.row_tokens if letter == "o" else n  # openings: a prefix of the target
             for j in range(128):
-                if n - len(out.ids) < 2 + reasoning.COUNTER + reasoning.WIDTH + reasoning.ROW_TOKENS + 2:
+                if n - len(out.ids) < TASK.prompt_tokens + TASK.row_tokens + 2:
                     break  # not even a one-row item fits
-                size = reasoning.item_tokens(first + j, "train", min_rows=1, max_rows=phase.max_rows)
+                size = reasoning.item_tokens(first + j, "train", task=TASK, min_rows=1, max_rows=phase.max_rows)
                 if len(out.ids) + size[0] + min(size[1], cap) > n:
                     continue  # try the next (maybe shorter) item; the rest of the row is topped up with code
-                item = reasoning.make_item(first + j, "train", min_rows=1, max_rows=phase.max_rows)
+                item = reasoning.make_item(first + j, "train", task=TASK, min_rows=1, max_rows=phase.max_rows)
                 p, t = self.encode_item(item)
                 t = t[:cap]  # every token of an opening is still right
                 add(p + t, [PROMPT] * len(p) + [REASONING] * len(t), ("reasoning", item.index, len(t)))
@@ -644,12 +645,12 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
     model.eval()
     hits: dict[str, list[bool]] = {"cell": [], "row_start": []}
     all_right = 0
-    row = reasoning.ROW_TOKENS  # counter, cells, row break
     for it in items:
+        row = reasoning.COUNTER + it.width + 1  # counter, cells, row break
         ok = target_hits(model, *data.encode_item(it))
         all_right += all(ok)
         for j, o in enumerate(ok[: row * it.num_rows - 1]):
-            if reasoning.COUNTER <= j % row < reasoning.COUNTER + reasoning.WIDTH:
+            if reasoning.COUNTER <= j % row < reasoning.COUNTER + it.width:
                 hits["cell"].append(o)
                 if j % row == reasoning.COUNTER:
                     hits["row_start"].append(o)
@@ -791,6 +792,7 @@ def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out_di
     bf16.config.dtype = torch.bfloat16
     bf16.config._attn_implementation = "sdpa"
     bf16.generation_config.do_sample = False
+    reasoning.record_task(bf16.config, TASK)  # evaluations pick the task version from the config
     bf16.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     return sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
@@ -852,15 +854,11 @@ def evaluate(model: PreTrainedModel, data: Data, args: argparse.Namespace, smoke
         out["held_out_code"] = eval_code(model, data, args.eval_code_window, cap)
         print(f"[{args.name}] code: {json.dumps(out['held_out_code'])}", flush=True)
     if args.eval_items:
-        items = reasoning.held_out_items(args.eval_items)
+        task = reasoning.task_of(model.config)  # the version the checkpoint records (this recipe's: TASK)
+        items = reasoning.held_out_items(args.eval_items, task=task)
         out["held_out_reasoning"] = {
             **eval_reasoning(model, data, items, max_new_tokens=16 if smoke else None),
-            "task": {
-                "modulus": reasoning.MODULUS,
-                "width": reasoning.WIDTH,
-                "min_rows": reasoning.MIN_ROWS,
-                "max_rows": reasoning.MAX_ROWS,
-            },
+            "task": task.to_dict(),
             "decoding": "greedy, batched with left padding, DynamicCache, bf16 checkpoint computed in float32",
         }
         r = out["held_out_reasoning"]
@@ -896,7 +894,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--out-dir", type=Path, help="checkpoint dir (default kvarn_mla/reference_models/<name>)")
     ap.add_argument("--results", type=Path, help="metrics JSON (default benchmarks/models/results/<name>.json)")
     ap.add_argument("--run-dir", type=Path, help="log/resume dir (default runs/<name>)")
-    ap.add_argument("--tokenizer-dir", type=Path, help="tokenizer cache (default runs/tokenizer)")
+    ap.add_argument(
+        "--tokenizer-dir", type=Path, help="tokenizer cache (default runs/tokenizer; --eval-only: the checkpoint's)"
+    )
     ap.add_argument("--resume", action="store_true", help="continue from run-dir/state.pt if present")
     ap.add_argument(
         "--eval-only",
@@ -931,7 +931,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     run_dir = args.run_dir or DEFAULT_RUNS / (f"smoke-{args.name}" if args.smoke else args.name)
     out_dir = args.out_dir or DEFAULT_OUT_ROOT / args.name
     results = args.results or DEFAULT_RESULTS / f"{args.name}.json"
-    tok_dir = args.tokenizer_dir or (run_dir / "tokenizer" if args.smoke else DEFAULT_TOKENIZER_DIR)
+    tok_dir = args.tokenizer_dir or (
+        out_dir if args.eval_only else run_dir / "tokenizer" if args.smoke else DEFAULT_TOKENIZER_DIR
+    )  # --eval-only: the checkpoint's own tokenizer
     run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.set_num_threads(args.threads)
@@ -980,7 +982,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         torch.set_rng_state(st["torch_rng"])
         print(f"[{args.name}] resumed at step {start}", flush=True)
 
-    monitor = reasoning.held_out_items(args.monitor_items, start=MONITOR_START)
+    monitor = reasoning.held_out_items(args.monitor_items, start=MONITOR_START, task=TASK)
     monitor_retrieval = {
         c: retrieval.held_out_items(tok, c, MONITOR_SEED, args.monitor_items // 2) for c in args.monitor_contexts
     }

@@ -41,12 +41,12 @@ class Prompt:
     check: object = None  # completion text -> bool, or None
 
 
-def demo_prompts(tokenizer, new_tokens: int | None, prompt_tokens: int) -> list[Prompt]:
-    """A held-out reasoning item and a held-out retrieval item (when the tokenizer knows the tasks' format tokens) and
-    held-out code."""
+def demo_prompts(tokenizer, new_tokens: int | None, prompt_tokens: int, task: reasoning.Task) -> list[Prompt]:
+    """A held-out reasoning item of ``task`` (the model's: `reasoning.task_of` its config) and a held-out retrieval
+    item (when the tokenizer knows the tasks' format tokens) and held-out code."""
     prompts = []
     if reasoning.SCRATCHPAD in tokenizer.get_vocab():
-        item = reasoning.make_item(0, "held_out", min_rows=24, max_rows=24)  # 408 generated tokens
+        item = reasoning.make_item(0, "held_out", task=task, min_rows=24, max_rows=24)  # 457 (v1) or 553 (v2) tokens
         ids = tokenizer(item.prompt, return_tensors="pt", add_special_tokens=False).input_ids
         target = len(tokenizer(item.target, add_special_tokens=False).input_ids) + 4
         prompts.append(Prompt(f"reasoning ({item.num_rows} rows)", ids, min(target, new_tokens or target),
@@ -137,7 +137,8 @@ def demo(model_name: str = "mla", presets: str = "k4v2,k2v2", new_tokens: int | 
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name, torch.bfloat16)  # a 16-bit model, so the reference cache is 16-bit
     methods = with_reference_label(methods, model.dtype)
-    rows = run_demo(model, tokenizer, methods, demo_prompts(tokenizer, new_tokens, prompt_tokens))
+    rows = run_demo(model, tokenizer, methods, demo_prompts(tokenizer, new_tokens, prompt_tokens,
+                                                                reasoning.task_of(model.config)))
     print(f"\n{model_name}: {type(model).__name__} (bf16), greedy decoding; 'agree' = share of tokens identical to "
           "the 16-bit run, 'diverge@' = first token that differs")
     print(format_rows(rows))

@@ -1,26 +1,35 @@
 """Long-chain reasoning task: iterated running sums modulo a prime, written out row by row.
 
-An item gives a row of ``W = 16`` digits. The model must write ``G`` more rows (16 <= G <= 48 held out),
-each the running sums modulo ``p = 7`` of the row above, and then the last number. Every row, the
-prompt's included, opens with the number of rows still to write (two digits), so the model knows when to
-stop, and ends in the ``<|scratchpad|>`` token::
+An item gives a row of ``W`` digits. The model must write ``G`` more rows, each the running sums modulo
+``p = 7`` of the row above, and then the last number. Every row, the prompt's included, opens with the number
+of rows still to write (two digits), so the model knows when to stop, and ends in the ``<|scratchpad|>`` token
+(version 2, ``W = 20``)::
 
-    prompt: <|problem|>033141592653589793<|scratchpad|>
-    target: 023412024314235503<|scratchpad|>013013352563516440<|scratchpad|>003340313103121522<|answer|>2
-            (G = 3)
+    prompt: <|problem|>0331415926535897932384<|scratchpad|>
+    target: 0234120243142355035126<|scratchpad|>0130133525635164405610<|scratchpad|>
+            0033403131031215220600<|answer|>0     (G = 3)
 
 so cell ``(g, j) = (cell(g, j-1) + cell(g-1, j)) mod p`` and the counter is the one above minus one. One
 wrong digit changes every later cell to its right in its row and below it, so an early slip breaks the
-end (the last cell is downstream of every cell); :func:`check` demands the whole target exactly. A row
-is 19 tokens (digits and the row break are single tokens): 306-914 generated tokens held out.
+end (the last cell is downstream of every cell); :func:`check` demands the whole target exactly.
+
+The row width and the held-out row range are versioned (:class:`Task`), and a checkpoint records the version it
+was trained on in its config (:func:`record_task`, :func:`task_of`; a config that says nothing is version 1):
+
+- version 1 (the first reference models): 16-digit rows, 16-48 held-out rows, a row is 19 tokens (digits and
+  the row break are single tokens): 306-914 generated tokens;
+- version 2: 20-digit rows, 16-96 held-out rows, a row is 23 tokens: 369-2,209 generated tokens, and items of
+  87 rows or more write at least 2,000 (the two-digit counter allows at most 99 rows).
+
+Items of a version are drawn from the same seeds whatever the other versions: adding a version changes no item.
 
 Why this shape (measured, see benchmarks/models/README.md): the reference models must learn the task
 in about a CPU-hour. Lookups whose target is found by content (a value by its index or key token) or
-sits more than ~30 tokens back were still at chance after 300-400 training steps in every pilot, while
-fixed-offset lookups (the cell to the left, 1 token back, and the cell above, one row back) are learned
-within a few hundred steps. The cell above is the token the previous row wrote 19 positions earlier, so
-every step reads the cache across a row boundary. The row break is a special token: with a newline (a
-token code uses everywhere) neither a 512-token probe nor two full training runs learned the lookup.
+sits more than ~30 tokens back were still at chance after 300-400 training steps in every pilot of the first
+models, while fixed-offset lookups (the cell to the left, 1 token back, and the cell above, one row back) are
+learned within a few hundred steps. The cell above is the token the previous row wrote one row (19 or 23
+positions) earlier, so every step reads the cache across a row boundary. The row break is a special token: with
+a newline (a token code uses everywhere) neither a 512-token probe nor two full training runs learned the lookup.
 
 Instances come from ``random.Random`` seeded with a string (stable across Python versions and processes)
 and are assigned to ``"train"`` or ``"held_out"`` by a SHA-256 hash of the starting row, so the splits
@@ -38,26 +47,30 @@ __all__ = [
     "COUNTER",
     "EOS",
     "HELD_OUT_PERCENT",
-    "MAX_ROWS",
-    "MIN_ROWS",
+    "LATEST",
     "MODULUS",
     "PAD",
     "PROBLEM",
-    "ROW_TOKENS",
     "SCRATCHPAD",
     "SPECIAL_TOKENS",
     "SPLITS",
-    "WIDTH",
+    "TASKS",
+    "TASK_KEY",
+    "V1",
+    "V2",
     "Item",
+    "Task",
     "check",
     "check_answer",
     "held_out_items",
     "instance_split",
     "item_tokens",
     "make_item",
+    "record_task",
     "render",
     "solve",
     "parse_answer",
+    "task_of",
     "train_items",
 ]
 
@@ -70,13 +83,82 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS: tuple[str, ...] = (EOS, PAD, PROBLEM, SCRATCHPAD, ANSWER)
 
 MODULUS = 7  # prime; cells after the first row are single digits 0..6
-WIDTH = 16  # cells per row
 COUNTER = 2  # digits of the rows-to-go counter that opens every row
-ROW_TOKENS = COUNTER + WIDTH + 1  # the cell above is this many tokens back (counter and row break count)
-MIN_ROWS = 16  # held-out items have MIN_ROWS..MAX_ROWS generated rows
-MAX_ROWS = 48
 HELD_OUT_PERCENT = 10  # share of starting rows that are held out (hash-based, see instance_split)
 SPLITS = ("train", "held_out")
+TASK_KEY = "reasoning_task"  # the config attribute a checkpoint records its task version in
+
+
+@dataclass(frozen=True)
+class Task:
+    """One version of the task: the row width and the row range of held-out items.
+
+    Attributes:
+        version: the number a checkpoint records (:func:`record_task`).
+        width: cells per row ``W``.
+        min_rows: fewest generated rows of a held-out item.
+        max_rows: most generated rows of a held-out item (at most 99: the counter has two digits).
+    """
+
+    version: int
+    width: int
+    min_rows: int
+    max_rows: int
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens per row (counter, cells, row break): the cell above is this many tokens back."""
+        return COUNTER + self.width + 1
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of an item's prompt (``<|problem|>``, counter, cells, ``<|scratchpad|>``)."""
+        return 2 + COUNTER + self.width
+
+    def to_dict(self) -> dict[str, int]:
+        """What a checkpoint's config records (the modulus too, for a reader of config.json)."""
+        return {
+            "version": self.version,
+            "width": self.width,
+            "min_rows": self.min_rows,
+            "max_rows": self.max_rows,
+            "modulus": MODULUS,
+        }
+
+
+V1 = Task(1, width=16, min_rows=16, max_rows=48)  # the first reference models: 306-914 generated tokens
+V2 = Task(2, width=20, min_rows=16, max_rows=96)  # 369-2,209 generated tokens, 2,000+ from 87 rows
+TASKS: dict[int, Task] = {t.version: t for t in (V1, V2)}
+LATEST = V2  # what the generators default to and the training recipe uses
+
+
+def task_of(config) -> Task:
+    """The task version a checkpoint was trained on, from its config's ``reasoning_task`` entry.
+
+    Args:
+        config: a model config (``model.config``) or the dict of a ``config.json``.
+
+    Returns:
+        The recorded :class:`Task`; :data:`V1` when the config records none (the checkpoints before versions).
+
+    Raises:
+        ValueError: the recorded version is unknown, or its fields differ from that version's.
+    """
+    spec = config.get(TASK_KEY) if isinstance(config, dict) else getattr(config, TASK_KEY, None)
+    if spec is None:
+        return V1
+    version = spec.get("version") if isinstance(spec, dict) else spec
+    if version not in TASKS:
+        raise ValueError(f"unknown reasoning task version in config.{TASK_KEY}: {spec!r}; known: {sorted(TASKS)}")
+    task = TASKS[version]
+    if isinstance(spec, dict) and spec != task.to_dict():
+        raise ValueError(f"config.{TASK_KEY} = {spec!r} differs from version {version}: {task.to_dict()}")
+    return task
+
+
+def record_task(config, task: Task) -> None:
+    """Record ``task`` in a model config (saved with it to config.json), for :func:`task_of`."""
+    setattr(config, TASK_KEY, task.to_dict())
 
 
 @dataclass(frozen=True)
@@ -84,7 +166,7 @@ class Item:
     """One reasoning instance.
 
     Attributes:
-        index: position of the item within its split (``make_item(index, split)`` rebuilds it).
+        index: position of the item within its split (``make_item(index, split, task=...)`` rebuilds it).
         split: ``"train"`` or ``"held_out"``.
         modulus: the prime ``p``.
         rows: the starting row (digits 0..9) followed by the ``G`` generated rows (digits 0..p-1).
@@ -106,6 +188,11 @@ class Item:
     def num_rows(self) -> int:
         """Number of generated rows ``G``."""
         return len(self.rows) - 1
+
+    @property
+    def width(self) -> int:
+        """Cells per row ``W``."""
+        return len(self.rows[0])
 
     @property
     def text(self) -> str:
@@ -155,8 +242,9 @@ def make_item(
     index: int,
     split: str = "held_out",
     *,
-    min_rows: int = MIN_ROWS,
-    max_rows: int = MAX_ROWS,
+    task: Task = LATEST,
+    min_rows: int | None = None,
+    max_rows: int | None = None,
     modulus: int = MODULUS,
 ) -> Item:
     """Build item ``index`` of ``split``, deterministically.
@@ -167,13 +255,15 @@ def make_item(
     Args:
         index: item number within the split, ``>= 0``.
         split: ``"train"`` or ``"held_out"``.
-        min_rows: fewest generated rows, ``>= 1``.
-        max_rows: most generated rows.
+        task: the version (row width and default row range); a model's is :func:`task_of` its config.
+        min_rows: fewest generated rows, ``>= 1`` (default ``task.min_rows``).
+        max_rows: most generated rows (default ``task.max_rows``).
         modulus: the prime ``p``, at most 10 so cells are single digits.
 
     Returns:
         The item.
     """
+    min_rows, max_rows = _row_range(task, min_rows, max_rows)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split=}")
     if index < 0:
@@ -182,44 +272,60 @@ def make_item(
         raise ValueError(f"need 1 <= min_rows <= max_rows, got {min_rows=}, {max_rows=}")
     if not 2 <= modulus <= 10:
         raise ValueError(f"modulus must be in [2, 10] so cells are one digit, got {modulus=}")
-    num_rows, start = _draw(index, split, min_rows, max_rows, modulus)
+    num_rows, start = _draw(index, split, task.width, min_rows, max_rows, modulus)
     rows = solve(start, num_rows, modulus)
     prompt, target = render(rows, modulus)
     return Item(index, split, modulus, rows, prompt, target, str(rows[-1][-1]))
 
 
-def _draw(index: int, split: str, min_rows: int, max_rows: int, modulus: int) -> tuple[int, tuple[int, ...]]:
+def _row_range(task: Task, min_rows: int | None, max_rows: int | None) -> tuple[int, int]:
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a reasoning.Task (e.g. reasoning.V2), got {task!r}")
+    return task.min_rows if min_rows is None else min_rows, task.max_rows if max_rows is None else max_rows
+
+
+def _draw(
+    index: int, split: str, width: int, min_rows: int, max_rows: int, modulus: int
+) -> tuple[int, tuple[int, ...]]:
+    # The seed string names no version: a version is its width and row range, and adding one changes no item.
     attempt = 0
     while True:
         rng = random.Random(f"{split}/{index}/{attempt}")
         num_rows = rng.randint(min_rows, max_rows)
-        start = tuple(rng.randrange(10) for _ in range(WIDTH))
+        start = tuple(rng.randrange(10) for _ in range(width))
         if instance_split(start, modulus) == split:
             return num_rows, start
         attempt += 1
 
 
 def item_tokens(
-    index: int, split: str = "held_out", *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS, modulus: int = MODULUS
+    index: int,
+    split: str = "held_out",
+    *,
+    task: Task = LATEST,
+    min_rows: int | None = None,
+    max_rows: int | None = None,
+    modulus: int = MODULUS,
 ) -> tuple[int, int]:
     """Token counts ``(prompt, target)`` of ``make_item(index, split, ...)`` without building it (digits and format
     strings are single tokens; the target's count includes the end-of-text token), for packing training rows."""
-    num_rows, _ = _draw(index, split, min_rows, max_rows, modulus)
-    return 2 + COUNTER + WIDTH, num_rows * ROW_TOKENS + 2
+    min_rows, max_rows = _row_range(task, min_rows, max_rows)
+    num_rows, _ = _draw(index, split, task.width, min_rows, max_rows, modulus)
+    return task.prompt_tokens, num_rows * task.row_tokens + 2
 
 
-def held_out_items(n: int, start: int = 0, **kwargs: int) -> list[Item]:
+def held_out_items(n: int, start: int = 0, **kwargs) -> list[Item]:
     """The first ``n`` held-out items (from ``start``); the evaluation set is always a prefix of this list.
 
     Args:
         n: number of items.
         start: index of the first item.
-        **kwargs: ``min_rows``, ``max_rows``, ``modulus`` forwarded to :func:`make_item`.
+        **kwargs: ``task``, ``min_rows``, ``max_rows``, ``modulus`` forwarded to :func:`make_item`.
     """
     return [make_item(i, "held_out", **kwargs) for i in range(start, start + n)]
 
 
-def train_items(n: int, start: int = 0, **kwargs: int) -> list[Item]:
+def train_items(n: int, start: int = 0, **kwargs) -> list[Item]:
     """Training items ``start .. start + n - 1``; see :func:`held_out_items`."""
     return [make_item(i, "train", **kwargs) for i in range(start, start + n)]
 

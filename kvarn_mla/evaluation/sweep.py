@@ -6,7 +6,7 @@ For each bundled reference model (MHA, GQA, MLA) it runs
   decoding from its first 512 tokens;
 - ``accumulation-reasoning``: the same protocol on 1,024 tokens of held-out reasoning items back to back (the
   models' reasoning length; their code distributions are near unigram, so the code run says little), and greedy
-  decoding of a whole 48-row chain (913 tokens);
+  decoding of a whole chain of the task's most rows (48 rows, 913 tokens, for the version-1 models);
 - ``reasoning``: the first ``items`` held-out long-chain problems, greedy, exact match;
 - ``worst-vectors``: the diagnostic on the reasoning text (896 cached tokens, 128 scored);
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import QUANTIZERS
+from . import reasoning
 from .methods import backend_problem, parse_methods
 from .runner import load_model, run
 from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text
@@ -78,13 +79,14 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
         names = select(quantizers(bits) + grid + baselines, families)
         compared = parse_methods(",".join(names))
         worst = parse_methods(",".join(select(quantizers(bits), families)))
-        text = reasoning_text(tokenizer, REASONING_TOKENS)
-        chain, chain_tokens = reasoning_chain_prompt(tokenizer)
+        task = reasoning.task_of(model.config)  # the version the checkpoint was trained on
+        text = reasoning_text(tokenizer, REASONING_TOKENS, task=task)
+        chain, chain_tokens = reasoning_chain_prompt(tokenizer, task=task)
         arguments = {
             "accumulation": dict(suite="accumulation", methods=compared),
             "accumulation-reasoning": dict(suite="accumulation", methods=compared, text_ids=text,
                                            greedy_prompt=chain, greedy_tokens=chain_tokens),
-            "reasoning": dict(suite="reasoning", methods=compared, items=reasoning_items(tokenizer, items),
+            "reasoning": dict(suite="reasoning", methods=compared, items=reasoning_items(tokenizer, items, task=task),
                               batch_size=batch_size),
             "worst-vectors": dict(suite="worst-vectors", methods=worst, text_ids=text,
                                   context=REASONING_TOKENS - 128),

@@ -30,10 +30,11 @@ class GenerationItem:
     max_new_tokens: int
 
 
-def reasoning_items(tokenizer, count: int, margin: int = 8) -> list[GenerationItem]:
-    """The first ``count`` held-out long-chain items; exact match of the whole scratchpad is the headline check."""
+def reasoning_items(tokenizer, count: int, *, task: reasoning.Task, margin: int = 8) -> list[GenerationItem]:
+    """The first ``count`` held-out long-chain items of ``task`` (a model's is `reasoning.task_of` its config); exact
+    match of the whole scratchpad is the headline check."""
     items = []
-    for item in reasoning.held_out_items(count):
+    for item in reasoning.held_out_items(count, task=task):
         budget = len(tokenizer(item.target, add_special_tokens=False).input_ids) + margin
         items.append(GenerationItem(
             f"reasoning-{item.index}", item.prompt,
@@ -59,26 +60,29 @@ def retrieval_items(tokenizer, context: int, seed: int, count: int, margin: int 
     return items
 
 
-def reasoning_text(tokenizer, tokens: int) -> torch.Tensor:
-    """``[1, tokens]`` ids of held-out long-chain items written out back to back (prompt, scratchpad, answer, end of
-    text), the teacher-forced text of the accumulation suite on the reference models.
+def reasoning_text(tokenizer, tokens: int, *, task: reasoning.Task) -> torch.Tensor:
+    """``[1, tokens]`` ids of held-out long-chain items of ``task`` written out back to back (prompt, scratchpad,
+    answer, end of text), the teacher-forced text of the accumulation suite on the reference models.
 
-    Almost every token of it is determined by the tokens before (only the 16 digits of each starting row are not),
+    Almost every token of it is determined by the tokens before (only the digits of each starting row are not),
     so the 16-bit next-token distributions are sharp, unlike on code, where these small models are near unigram.
-    Keep ``tokens`` within the reasoning lengths the models were trained on (1,024): past it they lose the task.
+    Keep ``tokens`` within the reasoning lengths the models were trained on (1,024 for the version-1 models): past
+    it they lose the task.
     """
     ids: list[int] = []
     index = 0
     while len(ids) < tokens:
-        ids += tokenizer(reasoning.make_item(index).text, add_special_tokens=False).input_ids
+        ids += tokenizer(reasoning.make_item(index, task=task).text, add_special_tokens=False).input_ids
         index += 1
     return torch.tensor([ids[:tokens]])
 
 
-def reasoning_chain_prompt(tokenizer, rows: int = reasoning.MAX_ROWS) -> tuple[torch.Tensor, int]:
-    """The prompt ``[1, P]`` of the first held-out item with ``rows`` rows and the length of its target in tokens:
-    the free-running greedy comparison of the accumulation suite then decodes a whole chain."""
-    item = reasoning.make_item(0, min_rows=rows, max_rows=rows)
+def reasoning_chain_prompt(tokenizer, *, task: reasoning.Task, rows: int | None = None) -> tuple[torch.Tensor, int]:
+    """The prompt ``[1, P]`` of the first held-out item of ``task`` with ``rows`` rows (default its most) and the
+    length of its target in tokens: the free-running greedy comparison of the accumulation suite then decodes a whole
+    chain."""
+    rows = task.max_rows if rows is None else rows
+    item = reasoning.make_item(0, task=task, min_rows=rows, max_rows=rows)
     prompt = tokenizer(item.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     return prompt, len(tokenizer(item.target, add_special_tokens=False).input_ids)
 

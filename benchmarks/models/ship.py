@@ -1,0 +1,144 @@
+"""Install a finished training run as a bundled reference model: its bf16 checkpoint into
+``kvarn_mla/reference_models/<name>/`` and its metrics into ``benchmarks/models/results/<name>.json``.
+
+    python benchmarks/models/ship.py mla --run-dir runs/v2-mla
+    python benchmarks/models/ship.py mla --run-dir runs/v2-mla --check   # report only, write nothing
+
+The run directory holds what ``train_reference.py --run-dir D --out-dir D/model --results D/results.json`` wrote:
+``model/`` (the bf16 checkpoint) and ``results.json`` (its held-out evaluation, run on that checkpoint). The
+checkpoint's config gets the reasoning task version the recipe trains on (``reasoning_task``: evaluations pick
+the task from it; a config without it means version 1, the first reference models).
+
+Refused, with the reason: a run that has not finished the recipe, or whose recipe or reasoning task differs from
+this checkout's (``train_reference.FULL``, ``train_reference.TASK``); a checkpoint that is not bf16 or is over
+16 MiB. Evaluations missing from ``results.json`` (code, reasoning, retrieval at each of ``--contexts``) are listed
+with the ``train_reference.py --eval-only`` command that adds them to the installed files; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a plain script from a checkout
+    sys.path.insert(0, str(REPO))
+
+import train_reference as T  # noqa: E402  (this folder is on the path: the script's own)
+
+from kvarn_mla.evaluation import reasoning  # noqa: E402
+
+MAX_BYTES = 16 * 2**20  # a shipped checkpoint's files, all together
+CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts the results must hold (the issue reports all four)
+
+
+def problems(metrics: dict, checkpoint: Path, recipe: T.Recipe) -> list[str]:
+    """Why the run in ``metrics`` / ``checkpoint`` cannot ship (empty when it can)."""
+    out = []
+    if metrics.get("steps_done") != recipe.steps:
+        out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {recipe.steps}")
+    if json.loads(json.dumps(metrics.get("recipe"))) != json.loads(json.dumps(asdict(recipe))):
+        out.append("the run's recipe differs from train_reference.py's (a checkout other than the one it trained in?)")
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("dtype") != "bfloat16":
+        out.append(f"the checkpoint is {config.get('dtype')}, not bfloat16")
+    if reasoning.TASK_KEY in config and reasoning.task_of(config) is not T.TASK:
+        out.append(f"the checkpoint records reasoning task {config[reasoning.TASK_KEY]}, the recipe {T.TASK}")
+    task = metrics.get("held_out_reasoning", {}).get("task")
+    if task is not None and {k: v for k, v in task.items() if k != "version"} != {
+        k: v for k, v in T.TASK.to_dict().items() if k != "version"
+    }:
+        out.append(f"the reasoning evaluation ran on task {task}, not version {T.TASK.version}: {T.TASK.to_dict()}")
+    size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+    if size > MAX_BYTES:
+        out.append(f"the checkpoint holds {size / 2**20:.2f} MiB, over {MAX_BYTES / 2**20:.0f} MiB")
+    return out
+
+
+def missing_evaluations(metrics: dict, contexts: tuple[int, ...]) -> list[str]:
+    """The evaluations ``metrics`` lacks, as ``train_reference.py`` flags that add them."""
+    flags = []
+    if "held_out_code" not in metrics:
+        flags.append("--eval-code-window 2048")
+    if "held_out_reasoning" not in metrics:
+        flags.append("--eval-items 100")
+    done = {r["context"] for r in metrics.get("held_out_retrieval", [])}
+    todo = [c for c in contexts if c not in done]
+    if todo:
+        flags.append(f"--eval-retrieval-items 100 --eval-contexts {','.join(map(str, todo))}")
+    return flags
+
+
+def install(name: str, checkpoint: Path, metrics: dict, package: Path, results: Path) -> dict:
+    """Copy ``checkpoint`` to ``package/<name>`` with the recipe's reasoning task recorded in its config, and write
+    ``metrics`` (checkpoint sizes of the installed files, the task recorded) to ``results``; returns the metrics."""
+    target = package / name
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(checkpoint, target)
+    config = json.loads((target / "config.json").read_text())
+    config[reasoning.TASK_KEY] = T.TASK.to_dict()
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    files = {f.name: f.stat().st_size for f in sorted(target.iterdir()) if f.is_file()}
+    metrics = {**metrics, "checkpoint_bytes": sum(files.values()), "checkpoint_files": files}
+    if "held_out_reasoning" in metrics:
+        metrics["held_out_reasoning"] = {**metrics["held_out_reasoning"], "task": T.TASK.to_dict()}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=T.MODEL_NAMES)
+    parser.add_argument("--run-dir", type=Path, required=True, help="the training run (model/ and results.json)")
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (default RUN_DIR/model)")
+    parser.add_argument("--run-results", type=Path, help="the run's metrics (default RUN_DIR/results.json)")
+    parser.add_argument("--package", type=Path, default=T.DEFAULT_OUT_ROOT, help="where the checkpoints ship")
+    parser.add_argument("--results-dir", type=Path, default=T.DEFAULT_RESULTS, help="where the metrics go")
+    parser.add_argument(
+        "--contexts",
+        type=lambda s: tuple(int(c) for c in s.split(",") if c),
+        default=CONTEXTS,
+        help="retrieval contexts the results must hold (default 2048,4096,8192,16384)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="the run used --smoke (tests)")
+    parser.add_argument("--check", action="store_true", help="report what would ship and why not; write nothing")
+    args = parser.parse_args(argv)
+
+    checkpoint = args.checkpoint or args.run_dir / "model"
+    run_results = args.run_results or args.run_dir / "results.json"
+    for path in (checkpoint / "config.json", run_results):
+        if not path.is_file():
+            print(f"ship: {path} is missing (has the run finished?)", file=sys.stderr)
+            return 2
+    metrics = json.loads(run_results.read_text())
+    refused = problems(metrics, checkpoint, T.SMOKE if args.smoke else T.FULL)
+    if refused:
+        print(f"ship: {args.name} cannot ship:\n  " + "\n  ".join(refused), file=sys.stderr)
+        return 2
+    results = args.results_dir / f"{args.name}.json"
+    flags = missing_evaluations(metrics, args.contexts)
+    if args.check:
+        print(f"ship: {args.name} can ship from {checkpoint}" + (f"; missing: {' '.join(flags)}" if flags else ""))
+        return 0
+    metrics = install(args.name, checkpoint, metrics, args.package, results)
+    print(f"ship: {args.name}: {metrics['checkpoint_bytes'] / 2**20:.2f} MiB in {args.package / args.name}, {results}")
+    if flags:
+        print(
+            "ship: evaluations missing; add them to the installed files with\n"
+            f"  python benchmarks/models/train_reference.py {args.name} --eval-only --threads 1 "
+            f"--out-dir {args.package / args.name} --results {results} --eval-items 0 --eval-code-window 0 "
+            f"--eval-contexts '' {' '.join(flags)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
