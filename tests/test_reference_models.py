@@ -274,6 +274,13 @@ def _ship_the_smoke_run(tmp_path, results):
     partial = json.loads(results.read_text()) | {"steps_done": 3}
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     assert ship.main(["mla", *where, "--run-results", str(tmp_path / "partial.json")]) == 2
+    # a run stopped in its final evaluation: metrics from its last state, every evaluation named as missing
+    stopped = [*where, "--run-dir", str(tmp_path / "run"), "--run-results", str(tmp_path / "none.json")]
+    assert ship.main(["mla", *stopped, "--contexts", "320"]) == 1
+    rebuilt = json.loads((tmp_path / "res" / "mla.json").read_text())
+    assert rebuilt["history"] == shipped["history"] and rebuilt["steps_done"] == 6 and "held_out_code" not in rebuilt
+    assert rebuilt["params"] == shipped["params"] and rebuilt["tokens_seen"] == shipped["tokens_seen"]
+    (tmp_path / "res" / "mla.json").write_text(json.dumps(shipped))
     _summarize_the_shipped_run(tmp_path / "res")
 
 

@@ -5,7 +5,9 @@
     python benchmarks/models/ship.py mla --run-dir runs/v2-mla --check   # report only, write nothing
 
 The run directory holds what ``train_reference.py --run-dir D --out-dir D/model --results D/results.json`` wrote:
-``model/`` (the bf16 checkpoint) and ``results.json`` (its held-out evaluation, run on that checkpoint). The
+``model/`` (the bf16 checkpoint) and ``results.json`` (its held-out evaluation, run on that checkpoint). A run stopped
+during its final evaluation (the checkpoint and the last ``state.pt`` are written before it) has no
+``results.json``: its metrics are then rebuilt from ``state.pt`` and every evaluation is listed as missing. The
 checkpoint's config gets the reasoning task version the recipe trains on (``reasoning_task``: evaluations pick
 the task from it; a config without it means version 1, the first reference models).
 
@@ -73,6 +75,34 @@ def missing_evaluations(metrics: dict, contexts: tuple[int, ...]) -> list[str]:
     return flags
 
 
+def metrics_from_state(name: str, state_path: Path, checkpoint: Path) -> dict:
+    """What ``train_reference.py`` writes before its evaluations, rebuilt from the run's last state."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kvarn_mla.evaluation.data import corpus_info
+
+    st = torch.load(state_path, weights_only=False, map_location="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    history = st["history"]
+    return {
+        "name": name,
+        "architecture": type(model).__name__,
+        "recipe": st["recipe"],
+        "steps_done": st["step"],
+        "params": T.count_params(model),
+        "config": {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_") and k != "dtype"},
+        "tokens_seen": st["seen"],
+        "train_seconds": st["train_seconds"],
+        "final_train_loss_mean_last_20": float(np.mean([h["loss"] for h in history[-20:]])),
+        "environment": {**corpus_info(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "command": f"python benchmarks/models/train_reference.py {name} --threads 1 (metrics rebuilt from "
+        f"{state_path} by ship.py: the run stopped in its final evaluation)",
+        "history": history,
+    }
+
+
 def install(name: str, checkpoint: Path, metrics: dict, package: Path, results: Path) -> dict:
     """Copy ``checkpoint`` to ``package/<name>`` with the recipe's reasoning task recorded in its config, and write
     ``metrics`` (checkpoint sizes of the installed files, the task recorded) to ``results``; returns the metrics."""
@@ -112,11 +142,18 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = args.checkpoint or args.run_dir / "model"
     run_results = args.run_results or args.run_dir / "results.json"
-    for path in (checkpoint / "config.json", run_results):
-        if not path.is_file():
-            print(f"ship: {path} is missing (has the run finished?)", file=sys.stderr)
-            return 2
-    metrics = json.loads(run_results.read_text())
+    state = args.run_dir / "state.pt"
+    if not (checkpoint / "config.json").is_file():
+        print(f"ship: {checkpoint / 'config.json'} is missing (has the run finished?)", file=sys.stderr)
+        return 2
+    if run_results.is_file():
+        metrics = json.loads(run_results.read_text())
+    elif state.is_file():
+        print(f"ship: no {run_results}; metrics rebuilt from {state}", file=sys.stderr)
+        metrics = metrics_from_state(args.name, state, checkpoint)
+    else:
+        print(f"ship: neither {run_results} nor {state} (has the run finished?)", file=sys.stderr)
+        return 2
     refused = problems(metrics, checkpoint, T.SMOKE if args.smoke else T.FULL)
     if refused:
         print(f"ship: {args.name} cannot ship:\n  " + "\n  ".join(refused), file=sys.stderr)
