@@ -270,13 +270,17 @@ def _ship_the_smoke_run(tmp_path, results):
         and shipped["history"] == json.loads(results.read_text())["history"]
     )
     assert shipped["checkpoint_bytes"] == sum(f.stat().st_size for f in (tmp_path / "pkg" / "mla").iterdir())
-    assert ship.main(["mla", *where, "--contexts", "320,2048"]) == 1  # installed; the missing eval is named
+    assert ship.main(["mla", *where, "--contexts", "320,640,960", "--no-evaluate"]) == 1  # the missing one named
+    assert ship.main(["mla", *where, "--contexts", "320,640,960"]) == 0  # ... or run on the installed checkpoint
+    evaluated = json.loads((tmp_path / "res" / "mla.json").read_text())
+    assert [r["context"] for r in evaluated["held_out_retrieval"]] == [320, 640, 960]
+    assert evaluated["held_out_reasoning"] == shipped["held_out_reasoning"]  # the run's, kept
     partial = json.loads(results.read_text()) | {"steps_done": 3}
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     assert ship.main(["mla", *where, "--run-results", str(tmp_path / "partial.json")]) == 2
     # a run stopped in its final evaluation: metrics from its last state, every evaluation named as missing
     stopped = [*where, "--run-dir", str(tmp_path / "run"), "--run-results", str(tmp_path / "none.json")]
-    assert ship.main(["mla", *stopped, "--contexts", "320"]) == 1
+    assert ship.main(["mla", *stopped, "--contexts", "320", "--no-evaluate"]) == 1
     rebuilt = json.loads((tmp_path / "res" / "mla.json").read_text())
     assert rebuilt["history"] == shipped["history"] and rebuilt["steps_done"] == 6 and "held_out_code" not in rebuilt
     assert rebuilt["params"] == shipped["params"] and rebuilt["tokens_seen"] == shipped["tokens_seen"]

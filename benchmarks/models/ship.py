@@ -13,8 +13,9 @@ the task from it; a config without it means version 1, the first reference model
 
 Refused, with the reason: a run that has not finished the recipe, or whose recipe or reasoning task differs from
 this checkout's (``train_reference.FULL``, ``train_reference.TASK``); a checkpoint that is not bf16 or is over
-16 MiB. Evaluations missing from ``results.json`` (code, reasoning, retrieval at each of ``--contexts``) are listed
-with the ``train_reference.py --eval-only`` command that adds them to the installed files; the exit status is then 1.
+16 MiB. Evaluations missing from ``results.json`` (code, reasoning, retrieval at each of ``--contexts``) are run on
+the installed checkpoint by ``train_reference.py --eval-only``, which adds them to the installed results (with
+``--no-evaluate`` the command is printed instead and the exit status is 1).
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         help="retrieval contexts the results must hold (default 2048,4096,8192,16384)",
     )
     parser.add_argument("--smoke", action="store_true", help="the run used --smoke (tests)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of the evaluations run here")
+    parser.add_argument("--no-evaluate", action="store_true", help="print the command for missing evaluations")
     parser.add_argument("--check", action="store_true", help="report what would ship and why not; write nothing")
     args = parser.parse_args(argv)
 
@@ -166,14 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     metrics = install(args.name, checkpoint, metrics, args.package, results)
     print(f"ship: {args.name}: {metrics['checkpoint_bytes'] / 2**20:.2f} MiB in {args.package / args.name}, {results}")
     if flags:
-        print(
-            "ship: evaluations missing; add them to the installed files with\n"
-            f"  python benchmarks/models/train_reference.py {args.name} --eval-only --threads 1 "
-            f"--out-dir {args.package / args.name} --results {results} --eval-items 0 --eval-code-window 0 "
-            f"--eval-contexts '' {' '.join(flags)}",
-            file=sys.stderr,
-        )
-        return 1
+        command = [args.name, "--eval-only", "--threads", str(args.threads), "--out-dir", str(args.package / args.name)]
+        command += ["--results", str(results), "--eval-items", "0", "--eval-code-window", "0", "--eval-contexts", ""]
+        command += [word for flag in flags for word in flag.split()] + (["--smoke"] if args.smoke else [])
+        if args.no_evaluate:
+            print(
+                "ship: evaluations missing; add them to the installed files with\n  python "
+                "benchmarks/models/train_reference.py " + " ".join(c if c else "''" for c in command),
+                file=sys.stderr,
+            )
+            return 1
+        print(f"ship: running the missing evaluations: {' '.join(flags)}", flush=True)
+        T.main(command)
     return 0
 
 
