@@ -271,7 +271,7 @@ def _ship_the_smoke_run(tmp_path, results):
     )
     assert shipped["checkpoint_bytes"] == sum(f.stat().st_size for f in (tmp_path / "pkg" / "mla").iterdir())
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--no-evaluate"]) == 1  # the missing one named
-    assert ship.main(["mla", *where, "--contexts", "320,640,960"]) == 0  # ... or run on the installed checkpoint
+    assert ship.main(["mla", *where, "--contexts", "320,640,960", "--items", "1"]) == 0  # ... or run on the install
     evaluated = json.loads((tmp_path / "res" / "mla.json").read_text())
     assert [r["context"] for r in evaluated["held_out_retrieval"]] == [320, 640, 960]
     assert evaluated["held_out_reasoning"] == shipped["held_out_reasoning"]  # the run's, kept

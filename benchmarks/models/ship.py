@@ -62,17 +62,18 @@ def problems(metrics: dict, checkpoint: Path, recipe: T.Recipe) -> list[str]:
     return out
 
 
-def missing_evaluations(metrics: dict, contexts: tuple[int, ...]) -> list[str]:
-    """The evaluations ``metrics`` lacks, as ``train_reference.py`` flags that add them."""
+def missing_evaluations(metrics: dict, contexts: tuple[int, ...], items: int = 100) -> list[str]:
+    """The evaluations ``metrics`` lacks, as ``train_reference.py`` flags that add them (``items`` reasoning items and
+    retrieval items per context, as the runs evaluate)."""
     flags = []
     if "held_out_code" not in metrics:
         flags.append("--eval-code-window 2048")
     if "held_out_reasoning" not in metrics:
-        flags.append("--eval-items 100")
+        flags.append(f"--eval-items {items}")
     done = {r["context"] for r in metrics.get("held_out_retrieval", [])}
     todo = [c for c in contexts if c not in done]
     if todo:
-        flags.append(f"--eval-retrieval-items 100 --eval-contexts {','.join(map(str, todo))}")
+        flags.append(f"--eval-retrieval-items {items} --eval-contexts {','.join(map(str, todo))}")
     return flags
 
 
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--smoke", action="store_true", help="the run used --smoke (tests)")
     parser.add_argument("--threads", type=int, default=1, help="threads of the evaluations run here")
+    parser.add_argument("--items", type=int, default=100, help="items of a missing evaluation (default 100)")
     parser.add_argument("--no-evaluate", action="store_true", help="print the command for missing evaluations")
     parser.add_argument("--check", action="store_true", help="report what would ship and why not; write nothing")
     args = parser.parse_args(argv)
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ship: {args.name} cannot ship:\n  " + "\n  ".join(refused), file=sys.stderr)
         return 2
     results = args.results_dir / f"{args.name}.json"
-    flags = missing_evaluations(metrics, args.contexts)
+    flags = missing_evaluations(metrics, args.contexts, args.items)
     if args.check:
         print(f"ship: {args.name} can ship from {checkpoint}" + (f"; missing: {' '.join(flags)}" if flags else ""))
         return 0
