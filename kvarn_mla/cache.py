@@ -18,9 +18,7 @@ from .adapters.base import find_binding
 from .backends import Backend, resolve_backend
 from .config import KVarNConfig, resolve_config
 from .quant.scheme import TileScheme
-from .store import Stream, StreamSpec, flush_streams
-
-DENSE_BYTES_PER_ELEMENT = 2  # what `dense_nbytes` counts: a 16-bit cache
+from .store import Stream, StreamSpec, quantize_pending
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -28,7 +26,9 @@ class KVarNLayer(CacheLayerMixin):
 
     is_kvarn = True
     is_sliding = False
-    is_compileable = False
+    # A decode step holds no host sync, and the flush that quantizes a full tile runs between steps when the step is
+    # compiled (see `KVarNCache.begin_forward`), so transformers may compile the forward around this cache.
+    is_compileable = True
     is_croppable = True
 
     def __init__(self, specs: tuple[StreamSpec, StreamSpec], config: KVarNConfig, backend: Backend | None = None):
@@ -37,6 +37,10 @@ class KVarNLayer(CacheLayerMixin):
         self.config = config
         self.backend = backend  # resolved for the data's device at the first flush when None
         self.new_tokens = 0  # tokens appended by the latest `update`: the current forward's own tokens
+        self.index: int | None = None  # the layer's index in its cache, for error messages
+        # Inside a patched forward pass the finite check runs once for the whole pass, in `KVarNCache.end_forward`
+        # (one host sync instead of one per stream and layer); a direct `update` checks its input at once.
+        self.defer_finite_check = False
         self._make_streams()
 
     def _make_streams(self) -> None:
@@ -62,7 +66,9 @@ class KVarNLayer(CacheLayerMixin):
         """
         for spec, x in zip(self.specs, (key_states, value_states)):
             self._check(spec, x, key_states)
-        self.flush()  # tiles left full by a call that did not go through the attention function
+        if not self.defer_finite_check and not torch.compiler.is_compiling():
+            for spec, x in zip(self.specs, (key_states, value_states)):
+                _check_finite(x, spec.name, self.index)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for stream, x in zip(self.streams, (key_states, value_states)):
@@ -71,25 +77,25 @@ class KVarNLayer(CacheLayerMixin):
         return key_states, value_states
 
     def _check(self, spec: StreamSpec, x: torch.Tensor, key_states: torch.Tensor) -> None:
+        where = "" if self.index is None else f" of layer {self.index}"
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"kvarn: {spec.name} states must be a 4D tensor [B, H, S, D], got {_describe(x)}")
+            raise ValueError(f"kvarn: {spec.name} states{where} must be a 4D tensor [B, H, S, D], got {_describe(x)}")
         expected = (spec.num_heads, spec.dim)
-        if (x.shape[1], x.shape[3]) != expected or x.shape[0] != key_states.shape[0] or x.shape[2] != key_states.shape[2]:
+        same_tokens = (x.shape[0], x.shape[2]) == (key_states.shape[0], key_states.shape[2])
+        if (x.shape[1], x.shape[3]) != expected or not same_tokens:
             raise ValueError(
-                f"kvarn: {spec.name} states of shape {tuple(x.shape)} do not fit this layer "
+                f"kvarn: {spec.name} states{where} of shape {tuple(x.shape)} do not fit this layer "
                 f"(expected [B, {spec.num_heads}, S, {spec.dim}] with B and S equal across streams)"
             )
         if not x.is_floating_point():
-            raise ValueError(f"kvarn: {spec.name} states must be floating point, got dtype={x.dtype}")
+            raise ValueError(f"kvarn: {spec.name} states{where} must be floating point, got dtype={x.dtype}")
         if self.is_initialized:
             batch = self.streams[0].batch_size
             if x.dtype != self.dtype or x.device != self.device or (batch is not None and x.shape[0] != batch):
                 raise ValueError(
-                    f"kvarn: {spec.name} states (dtype={x.dtype}, device={x.device}, batch={x.shape[0]}) do not "
+                    f"kvarn: {spec.name} states{where} (dtype={x.dtype}, device={x.device}, batch={x.shape[0]}) do not "
                     f"match the cache (dtype={self.dtype}, device={self.device}, batch={batch})"
                 )
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"kvarn: {spec.name} states contain NaN or Inf; the cache was left unchanged")
 
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
         """Quantize every tile that is full. ``token_valid [B, T]`` marks padding to leave out of the statistics."""
@@ -98,6 +104,51 @@ class KVarNLayer(CacheLayerMixin):
     @property
     def length(self) -> int:
         return self.streams[0].length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The cached keys (MLA: the latent) as attention sees them, dequantized on demand: ``[B, H, T, D]`` in the
+        model dtype (None before the first update). Read-only: the store is written by `update` only."""
+        return self._dequantized(0)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The cached values (MLA: the RoPE key), like `keys`."""
+        return self._dequantized(1)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_write("keys", value)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_write("values", value)
+
+    def _dequantized(self, slot: int) -> torch.Tensor | None:
+        stream = self.streams[slot]
+        return stream.dequantized().to(stream.dtype) if stream.length else None
+
+    @staticmethod
+    def _refuse_write(name: str, value) -> None:
+        if value is not None:  # transformers' base __init__ sets None
+            raise AttributeError(f"KVarNLayer.{name} is read-only (dequantized from the store); use update()")
+
+    def mark(self) -> tuple:
+        """What `rollback` needs to undo every later `update` (appends only: flushes, crops and reorders are
+        not undone)."""
+        return (self.is_initialized, self.new_tokens, getattr(self, "device", None), getattr(self, "dtype", None),
+                tuple(stream.mark() for stream in self.streams))
+
+    def appended_since(self, mark: tuple):
+        """``(stream name, tokens)`` for every part appended since ``mark`` (views, no copy)."""
+        for stream, stream_mark in zip(self.streams, mark[4]):
+            for part in stream.appended_since(stream_mark):
+                yield stream.spec.name, part
+
+    def rollback(self, mark: tuple) -> None:
+        self.is_initialized, self.new_tokens, self.device, self.dtype, streams = mark
+        for stream, stream_mark in zip(self.streams, streams):
+            stream.rollback(stream_mark)
 
     @property
     def past_length(self) -> int:
@@ -164,9 +215,11 @@ class KVarNLayer(CacheLayerMixin):
         return sum(stream.allocated_nbytes() for stream in self.streams)
 
     def dense_nbytes(self) -> int:
-        """Bytes a 16-bit cache would hold for the same tokens."""
+        """Bytes an unquantized cache in the model dtype (the dtype `nbytes` counts the sink and tail in) would hold
+        for the same tokens."""
         batch = self.streams[0].batch_size or 0
-        return sum(batch * s.spec.num_heads * s.spec.dim * s.length * DENSE_BYTES_PER_ELEMENT for s in self.streams)
+        return sum(batch * s.spec.num_heads * s.spec.dim * s.length * s.dtype.itemsize
+                   for s in self.streams if s.length)
 
 
 class KVarNIndexedLayer(KVarNLayer):
@@ -188,10 +241,21 @@ class KVarNIndexedLayer(KVarNLayer):
         x = indexer_key_states
         if x.dim() != 3 or x.shape[-1] != self.indexer_spec.dim:
             raise ValueError(f"kvarn: indexer keys must be [B, S, {self.indexer_spec.dim}], got shape={tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError("kvarn: indexer keys contain NaN or Inf; the cache was left unchanged")
+        if not self.defer_finite_check and not torch.compiler.is_compiling():
+            _check_finite(x, "indexer key", self.index)
         self.indexer.append(indexer_key_states.unsqueeze(1))
         return self.indexer.full().squeeze(1)
+
+
+def _check_finite(x: torch.Tensor, name: str, index: int | None) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise _nonfinite_error(x, name, index)
+
+
+def _nonfinite_error(x: torch.Tensor, name: str, index: int | None) -> ValueError:
+    bad = x[~torch.isfinite(x)][0].item()
+    where = "" if index is None else f" of layer {index}"
+    return ValueError(f"kvarn: {name} states{where} contain {bad} (NaN or Inf); the cache was left unchanged")
 
 
 def _describe(x) -> str:
@@ -205,6 +269,7 @@ def flush_layers(layers, token_valid: torch.Tensor | None = None) -> None:
     it here, once, for the device of the data.
     """
     layers = [layer for layer in layers if getattr(layer, "is_kvarn", False)]
+    commits = []  # every group is quantized and checked before any is stored: a failed flush changes nothing
     for slot in range(2):
         by_device: dict[torch.device, list[Stream]] = {}  # layers placed on several devices (device_map)
         for layer in layers:
@@ -215,7 +280,9 @@ def flush_layers(layers, token_valid: torch.Tensor | None = None) -> None:
                 backend = resolve_backend(layers[0].config.backend, device)
                 for layer in layers:
                     layer.backend = backend
-            flush_streams(streams, layers[0].backend.store, token_valid)
+            commits.append(quantize_pending(streams, layers[0].backend.store, token_valid))
+    for commit in commits:
+        commit()
 
 
 QUANTIZED_LAYER_TYPES = ("full_attention", "indexed_attention")
@@ -235,7 +302,7 @@ class KVarNCache(Cache):
     Example:
         >>> kvarn_mla.patch(model, "k4v2")
         >>> out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
-        >>> out.cache.nbytes() / out.cache.dense_nbytes()  # fraction of a 16-bit cache
+        >>> out.cache.nbytes() / out.cache.dense_nbytes()  # fraction of the unquantized cache
     """
 
     def __init__(self, model: PreTrainedModel | PretrainedConfig, config: KVarNConfig | str | None = None):
@@ -253,7 +320,8 @@ class KVarNCache(Cache):
         elif isinstance(model, PretrainedConfig):
             model_config = model
         else:
-            raise TypeError(f"KVarNCache takes a patched PreTrainedModel or a PretrainedConfig, got {type(model).__name__}")
+            raise TypeError(f"KVarNCache takes a patched PreTrainedModel or a PretrainedConfig, got "
+                            f"{type(model).__name__}")
         self.config = resolve_config(config)
         if backend is not None and backend.name != self.config.backend and self.config.backend != "auto":
             backend = None  # a config of another backend than the patch's: resolved at the first flush
@@ -274,9 +342,18 @@ class KVarNCache(Cache):
                     f"{QUANTIZED_LAYER_TYPES + UNQUANTIZED_LAYER_TYPES}"
                 )
         super().__init__(layers=layers)
+        for index, layer in enumerate(layers):
+            layer.index = index
+        self._forward_marks: list | None = None  # each layer's state before the running (eager) patched pass
+        self._patched_pass = False  # whether a patched forward pass is running
+        # Whether `generate` may compile the forward around this cache: when it was given a compile config (set by
+        # `kvarn_mla.patch`'s generate hook). Otherwise generate runs eagerly, as with a DynamicCache.
+        self.compile_requested = False
+        self.output_attentions = False  # whether that pass returns attention weights (set by the patched decoder)
 
     def flush(self, token_valid: torch.Tensor | None = None) -> None:
-        """Quantize every full tile of every layer: one store call (one kernel launch) per stream slot.
+        """Quantize every full tile of every layer: one store call (one kernel launch) per stream slot and device.
+        All or nothing: if any tile cannot be stored, no layer changes.
 
         `kvarn_mla.patch` calls this after each forward pass of the decoder.
 
@@ -284,6 +361,99 @@ class KVarNCache(Cache):
             token_valid: Optional ``[B, T]`` bool, False at padding positions (left out of the tile statistics).
         """
         flush_layers(self.layers, token_valid)
+
+    # ---- one forward pass of a patched model, atomically --------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Called by the patched decoder before a forward pass: quantize tiles left full by calls that did not go
+        through it, then remember every layer's state, so that a pass that raises changes nothing.
+
+        Under ``torch.compile`` only the pass is recorded: the graph holds no flush, check or host sync (a compiled
+        decode step appends to the tails; `flush` runs between steps, outside the graph, see `kvarn_mla.patch`).
+        """
+        self._patched_pass = True
+        if torch.compiler.is_compiling():
+            return
+        if self._forward_marks is not None:  # a pass that never ended (interrupted, e.g. KeyboardInterrupt)
+            self._restore(self._forward_marks)
+        self.flush()
+        self._forward_marks = [layer.mark() if getattr(layer, "is_kvarn", False) else dict(layer.__dict__)
+                               for layer in self.layers]
+        self._defer_finite_checks(True)
+
+    def end_forward(self, failed: bool, token_valid: torch.Tensor | None = None) -> None:
+        """Called by the patched decoder after a forward pass: check the tokens it appended (one host sync) and
+        quantize the tiles it filled, or, if the pass, the check or the quantization failed, put every layer back
+        as it was before the pass.
+
+        Raises:
+            ValueError: naming the stream, layer and value, when the pass appended NaN or Inf.
+        """
+        self._patched_pass = False
+        if torch.compiler.is_compiling():
+            return
+        marks, self._forward_marks = self._forward_marks, None
+        self._defer_finite_checks(False)
+        if marks is None:
+            return
+        if failed:
+            self._restore(marks)
+            return
+        try:
+            self._check_appended(marks)
+            self.flush(token_valid)
+        except BaseException:
+            self._restore(marks)
+            raise
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers' `generate` compiles its decode steps: only when asked (``compile_config``), and
+        only when every layer allows it (transformers' sliding-window layers do not)."""
+        return self.compile_requested and super().is_compileable
+
+    def has_pending_tiles(self) -> bool:
+        """Whether any layer holds a full tile waiting for `flush` (host-side lengths only, no sync)."""
+        return any(stream.pending_tiles() for layer in self.layers if getattr(layer, "is_kvarn", False)
+                   for stream in layer.streams)
+
+    def _defer_finite_checks(self, defer: bool) -> None:
+        for layer in self.layers:
+            if getattr(layer, "is_kvarn", False):
+                layer.defer_finite_check = defer
+
+    def _check_appended(self, marks: list) -> None:
+        appended = [(layer, name, x) for layer, mark in zip(self.layers, marks) if not isinstance(mark, dict)
+                    for name, x in layer.appended_since(mark)]
+        if not appended:
+            return
+        bad = [(~torch.isfinite(x)).any() for _, _, x in appended]
+        device = bad[0].device
+        if not bool(torch.stack([flag.to(device) for flag in bad]).any()):  # the pass's one host sync
+            return
+        layer, name, x = next(item for item, flag in zip(appended, bad) if bool(flag))  # the first, in layer order
+        raise _nonfinite_error(x, name, layer.index)
+
+    def _restore(self, marks: list) -> None:
+        for layer, mark in zip(self.layers, marks):
+            if isinstance(mark, dict):  # transformers' own layer: its update replaces its tensors, never edits them
+                layer.__dict__.clear()
+                layer.__dict__.update(mark)
+            else:
+                layer.rollback(mark)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`Cache.update`, for the attention of a patched model only: any other attention would read just the
+        tokens it passes (a KVarN layer returns them unchanged and keeps its store to itself).
+
+        Raises:
+            ValueError: when no patched forward pass is running (an unpatched model was given this cache).
+        """
+        if not self._patched_pass and getattr(self.layers[layer_idx], "is_kvarn", False):
+            raise ValueError(
+                "kvarn: this KVarNCache is being filled by a model that is not patched for it: call "
+                "kvarn_mla.patch(model, ...) first (an unpatched attention would attend only the newest tokens)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes the cache holds: quantized codes and scales, full-precision sink and tail, unquantized layers."""
@@ -294,15 +464,14 @@ class KVarNCache(Cache):
         return sum(_layer_bytes(layer, "allocated_nbytes") for layer in self.layers)
 
     def dense_nbytes(self) -> int:
-        """Bytes a 16-bit cache would hold for the same tokens."""
+        """Bytes an unquantized cache in the model dtype would hold for the same tokens."""
         return sum(_layer_bytes(layer, "dense_nbytes") for layer in self.layers)
 
 
 def _layer_bytes(layer, which: str) -> int:
-    """A KVarN layer's own count; what transformers' (sliding) layers hold (at 2 bytes each for ``dense_nbytes``)."""
+    """A KVarN layer's own count; what transformers' (sliding, unquantized) layers hold."""
     if getattr(layer, "is_kvarn", False):
         return getattr(layer, which)()
     if not layer.is_initialized:
         return 0
-    element = DENSE_BYTES_PER_ELEMENT if which == "dense_nbytes" else layer.keys.element_size()
-    return (layer.keys.numel() + layer.values.numel()) * element
+    return (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()

@@ -14,6 +14,7 @@ What `patch` changes, all on the instance (transformers' module globals are neve
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 import warnings
 from collections.abc import Iterator
@@ -64,11 +65,68 @@ def _drop_cache(module: nn.Module, args, output):
     module.__dict__[BINDING_ATTR].cache = None
 
 
-def _flush_after_forward(decoder: nn.Module, args, kwargs, output):
-    """Quantize the tiles this forward pass filled, in all layers at once, leaving padding out of the statistics."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values")) or getattr(output, "cache", None)
-    if isinstance(cache, KVarNCache):
-        cache.flush(_token_valid(kwargs.get("attention_mask"), cache))
+def _call_cache(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _make_decoder_hooks(model: PreTrainedModel, state: PatchState):
+    """The decoder's forward pre-hook and (always called) forward hook: one forward pass on a `KVarNCache` is
+    atomic, and nothing but the patched attention ever reads the cache."""
+
+    def before(decoder: nn.Module, args, kwargs):
+        cache, injected = _call_cache(kwargs), False
+        use_cache = kwargs.get("use_cache")
+        if cache is None and (getattr(decoder.config, "use_cache", False) if use_cache is None else use_cache):
+            kwargs["cache"] = cache = KVarNCache(model)  # where transformers would create a DynamicCache
+            injected = True
+        if isinstance(cache, KVarNCache):
+            _keep_kvarn_attention(state)
+            _check_cache_fits(cache, state)
+            requested = kwargs.get("output_attentions")
+            cache.output_attentions = bool(getattr(decoder.config, "output_attentions", False)
+                                           if requested is None else requested)
+            cache.begin_forward()
+        elif cache is not None:
+            warnings.warn(f"kvarn: a patched {type(model).__name__} was given a {type(cache).__name__}: this "
+                          "forward pass runs on it unquantized (pass no cache, or a KVarNCache, to quantize)",
+                          stacklevel=2)
+        return (args, kwargs) if injected else None
+
+    def after(decoder: nn.Module, args, kwargs, output):
+        cache = _call_cache(kwargs)
+        if isinstance(cache, KVarNCache):
+            failed = output is None and sys.exc_info()[1] is not None  # called from the except branch of __call__
+            pending = not failed and not torch.compiler.is_compiling() and cache.has_pending_tiles()
+            cache.end_forward(failed, _token_valid(kwargs.get("attention_mask"), cache) if pending else None)
+
+    return before, after
+
+
+def _keep_kvarn_attention(state: PatchState) -> None:
+    """A switch of the attention implementation after `patch` (``set_attn_implementation``, or the config field
+    set directly) is taken as the choice of full-precision attention: the patched model keeps reading its
+    quantized cache, which no other implementation can."""
+    chosen = state.text_config._attn_implementation_internal
+    if chosen == ATTN_IMPLEMENTATION:
+        return
+    warnings.warn(f"kvarn: the attention implementation was set to {chosen!r} after kvarn_mla.patch; the patched "
+                  f"model keeps attending its KVarN cache and uses {chosen!r} for full-precision attention "
+                  "(kvarn_mla.unpatch to run it unpatched)", stacklevel=3)
+    for module in state.modules:
+        module.__dict__[BINDING_ATTR].fallback = "eager" if chosen == "eager" else "sdpa"
+    state.attn_implementation = chosen  # what unpatch restores
+    state.text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
+
+
+def _check_cache_fits(cache: KVarNCache, state: PatchState) -> None:
+    binding = state.modules[0].__dict__[BINDING_ATTR]
+    expected = state.adapter.stream_specs(state.text_config, binding.config, binding.kv_heads)
+    for layer in cache.layers:
+        if getattr(layer, "is_kvarn", False) and layer.specs != expected:
+            raise ValueError(
+                f"kvarn: this KVarNCache holds {layer.specs} per layer, but the model is patched for {expected}: "
+                "build the cache with KVarNCache(model) after kvarn_mla.patch(model, ...) with the config you want"
+            )
 
 
 def _token_valid(mask, cache: KVarNCache):
@@ -78,9 +136,9 @@ def _token_valid(mask, cache: KVarNCache):
     length = max((layer.length for layer in cache.layers if getattr(layer, "is_kvarn", False)), default=0)
     if mask.dim() == 4:
         mask = token_validity(to_bool_mask(mask), mask.shape[0])
-    if mask.dim() != 2 or mask.shape[-1] != length:
+    if mask.dim() != 2 or mask.shape[-1] < length:
         return None
-    mask = mask.bool()
+    mask = mask[:, :length].bool()  # generate's mask may already cover the next step's token
     return None if bool(mask.all()) else mask
 
 
@@ -137,9 +195,11 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
         module.extra_repr = types.MethodType(lambda self: description, module)
         state.handles.append(module.register_forward_pre_hook(_stash_cache, with_kwargs=True))
         state.handles.append(module.register_forward_hook(_drop_cache, always_call=True))
-    state.handles.append(decoder.register_forward_pre_hook(_make_cache_injector(model), with_kwargs=True))
-    state.handles.append(decoder.register_forward_hook(_flush_after_forward, with_kwargs=True))
+    before, after = _make_decoder_hooks(model, state)
+    state.handles.append(decoder.register_forward_pre_hook(before, with_kwargs=True))
+    state.handles.append(decoder.register_forward_hook(after, with_kwargs=True, always_call=True))
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs_for_generation, model)
     text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
     model.__dict__[STATE_ATTR] = state
     return model
@@ -157,6 +217,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         module.__dict__.pop(BINDING_ATTR, None)
         module.__dict__.pop("extra_repr", None)
     model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.__dict__.pop("prepare_inputs_for_generation", None)
     state.text_config._attn_implementation_internal = state.attn_implementation
     return model
 
@@ -176,31 +237,30 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def _prepare_cache_for_generation(self: PreTrainedModel, generation_config, model_kwargs: dict, *args, **kwargs):
-    """`generate` hook: a `KVarNCache` wherever transformers would create a ``DynamicCache``."""
-    wants_default_cache = (
-        model_kwargs.get("cache") is None
-        and model_kwargs.get("past_key_values") is None
-        and generation_config.use_cache is not False
-        and generation_config.cache_implementation in (None, "dynamic")
-    )
-    if not wants_default_cache:
-        return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
-    model_kwargs["cache"] = KVarNCache(self)
-
-
-def _make_cache_injector(model: PreTrainedModel):
-    def inject(decoder: nn.Module, args, kwargs):
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+    """`generate` hook: a `KVarNCache` wherever transformers would create a ``DynamicCache``; another requested
+    cache implementation (``"static"``, ``"quantized"``, ...) runs as transformers builds it, unquantized by
+    kvarn_mla, with a warning."""
+    cache = _call_cache(model_kwargs)
+    if isinstance(cache, KVarNCache):  # the user's: compiled if asked, checked by transformers as usual
+        cache.compile_requested = generation_config.compile_config is not None
+    elif cache is None and generation_config.use_cache is not False:
+        if generation_config.cache_implementation in (None, "dynamic"):
+            model_kwargs["cache"] = cache = KVarNCache(self)  # where transformers would build a DynamicCache
+            cache.compile_requested = generation_config.compile_config is not None
             return None
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = getattr(decoder.config, "use_cache", False)
-        if not use_cache:
-            return None
-        kwargs["cache"] = KVarNCache(model)
-        return args, kwargs
+        warnings.warn(f"kvarn: generate(cache_implementation={generation_config.cache_implementation!r}) on a "
+                      f"patched {type(self).__name__} runs on transformers' cache, unquantized by kvarn_mla (leave "
+                      "cache_implementation unset to quantize)", stacklevel=3)
+    return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
-    return inject
+
+def _prepare_inputs_for_generation(self: PreTrainedModel, *args, **kwargs):
+    """`generate` hook, run before every step and outside a compiled forward: quantize the tiles that a compiled
+    step (which holds no flush) left full. After an eager step nothing is pending and this costs nothing."""
+    cache = _call_cache(kwargs)
+    if isinstance(cache, KVarNCache) and cache.has_pending_tiles():
+        cache.flush(_token_valid(kwargs.get("attention_mask"), cache))
+    return type(self).prepare_inputs_for_generation(self, *args, **kwargs)
 
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "ATTN_IMPLEMENTATION"]

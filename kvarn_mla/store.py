@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant.scheme import Axis, TileScheme
+from .config import STREAMS
 from .quant.attention import Layout, StreamView
+from .quant.scheme import Axis, TileScheme
 from .quant.tile import QuantizedTile, dequantize_tile, metadata_overflow
 
 GROWTH = 1.25  # spare capacity on reallocation: appends copy each stored element O(1/(GROWTH-1)) times in total
@@ -221,6 +222,22 @@ class Stream(Layout):
         if partial is not None:
             self._tail.append(partial)
 
+    def mark(self) -> tuple:
+        """What `rollback` needs to undo every later `append` (not a `commit`, `crop` or `map_batch`)."""
+        return self._sink.length, self._tail.length, self.num_tiles, self.dtype
+
+    def appended_since(self, mark: tuple) -> list[torch.Tensor]:
+        """The tokens appended since ``mark`` was taken: the sink's and the tail's new parts (views)."""
+        return [store.data[:, :, start:] for store, start in ((self._sink, mark[0]), (self._tail, mark[1]))
+                if store.length > start]
+
+    def rollback(self, mark: tuple) -> None:
+        """Drop the tokens appended since ``mark`` was taken."""
+        sink, tail, tiles, self.dtype = mark
+        assert self.num_tiles == tiles, "a rollback cannot undo quantized tiles"
+        self._sink.truncate(sink)
+        self._tail.truncate(tail)
+
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` along the batch axis of every stored tensor (beam reorder, batch selection)."""
         for store in (self._sink, self._tail, *self._tiles):
@@ -246,8 +263,12 @@ class Stream(Layout):
 
 
 @torch.no_grad()
-def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Tensor | None = None) -> None:
-    """Quantize the full pending tiles of several streams of one scheme (e.g. the keys of every layer) in one call.
+def quantize_pending(
+    streams: list[Stream], store: Callable, token_valid: torch.Tensor | None = None
+) -> Callable[[], None] | None:
+    """Quantize the full pending tiles of several streams of one scheme and device (e.g. the keys of every layer)
+    in one store call, and return the commit that stores them; None when nothing is pending. Nothing is changed
+    before the commit runs, so several groups can be quantized and checked before any of them is stored.
 
     Args:
         streams: Streams sharing scheme, width and device.
@@ -256,11 +277,11 @@ def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Ten
             the tile statistics.
 
     Raises:
-        ValueError: if a tile's metadata overflows fp16 (|values| beyond ~1e9); no stream is changed then.
+        ValueError: if a tile's metadata does not fit fp16 (values beyond about 6e4 after the rotation).
     """
     streams = [s for s in streams if s.pending_tiles()]
     if not streams:
-        return
+        return None
     parts = [s.pending(token_valid) for s in streams]
     x = torch.cat([p[0] for p in parts])
     valid = None
@@ -271,15 +292,28 @@ def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Ten
     tile = store(x, streams[0].scheme, None if valid is None else valid.to(x.device))
     largest = metadata_overflow(tile)
     if largest is not None:
+        name = streams[0].spec.name
         raise ValueError(
-            f"kvarn: {streams[0].spec.name} values too large to quantize with fp16 scales (metadata magnitude "
-            f"{largest:.3g} is not finite in fp16); the cache was left unchanged"
+            f"kvarn: {name} values too large for the tile scales, which are stored in fp16 (a tile's scale "
+            f"magnitude would be {largest:.3g}; fp16 holds up to 65504): the cache was left unchanged. Keep this "
+            f"stream in the model dtype ({STREAMS[name][0] if name in STREAMS else name + ' bits'}=16) for such a model"
         )
-    offset = 0
-    for stream, (chunk, _) in zip(streams, parts):
-        count = chunk.shape[0]
-        stream.commit(QuantizedTile(*(t[offset : offset + count] for t in tile.parts())))
-        offset += count
+
+    def commit() -> None:
+        offset = 0
+        for stream, (chunk, _) in zip(streams, parts):
+            count = chunk.shape[0]
+            stream.commit(QuantizedTile(*(t[offset : offset + count] for t in tile.parts())))
+            offset += count
+
+    return commit
 
 
-__all__ = ["GrowableTensor", "Stream", "StreamSpec", "flush_streams"]
+def flush_streams(streams: list[Stream], store: Callable, token_valid: torch.Tensor | None = None) -> None:
+    """`quantize_pending` and commit at once."""
+    commit = quantize_pending(streams, store, token_valid)
+    if commit is not None:
+        commit()
+
+
+__all__ = ["GrowableTensor", "Stream", "StreamSpec", "flush_streams", "quantize_pending"]

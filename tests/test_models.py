@@ -105,7 +105,7 @@ def test_generate_greedy_returns_a_kvarn_cache_with_the_bytes_it_holds(model_typ
     assert cache.get_seq_length() == out.sequences.shape[1] - 1  # the last token is never fed back
     stream = cache.layers[0].streams[0]
     assert stream.num_tiles == (cache.get_seq_length() - 64) // 64 and stream.tail_length < 64
-    assert 0 < cache.nbytes() < cache.dense_nbytes() * 2  # fp32 model: sink and tail cost 4 bytes per element
+    assert 0 < cache.nbytes() < cache.dense_nbytes()  # both in the model dtype (float32 here)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -75,8 +75,9 @@ class Adapter:
     def restore(self, module: nn.Module) -> None:
         """Undo `prepare` exactly."""
 
-    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
-        """Attention over the tensors the model passed, as the unpatched model computes it: ``[B, S, H, Dv]``."""
+    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> tuple[torch.Tensor, Any]:
+        """Attention over the given (cache-layout) tensors as the unpatched model computes it:
+        ``(out [B, S, H, Dv], weights or None)``."""
         raise NotImplementedError
 
     def quantized(self, module, query, layer, mask, scaling: float, backend: Backend) -> torch.Tensor:
@@ -118,16 +119,17 @@ def token_validity(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None
 
 
 # ---- full-precision attention ----------------------------------------------------------------------------------------
-def fallback_attention(module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
-    """transformers' own sdpa (or the model's eager) attention, given a bool mask (or None for causal)."""
+def fallback_attention(module, query, key, value, mask, fallback: str, **kwargs) -> tuple[torch.Tensor, Any]:
+    """transformers' own sdpa (or the model's eager) attention, given a bool mask (or None for causal):
+    ``(out [B, S, H, Dv], weights [B, H, S, T] from eager, None from sdpa)``."""
     if fallback == "eager":
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
         q_len, kv_len = query.shape[2], key.shape[2]
         bool_mask = causal_mask(q_len, kv_len, query.device) if mask is None else mask
         additive = torch.zeros(bool_mask.shape, dtype=query.dtype, device=query.device)
         mask = additive.masked_fill(~bool_mask, torch.finfo(query.dtype).min)
-        return eager(module, query, key, value, mask, **kwargs)[0]
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        return eager(module, query, key, value, mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
 def kvarn_attention(
@@ -139,13 +141,15 @@ def kvarn_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function registered as ``"kvarn"`` with transformers' `AttentionInterface`.
 
     A prefill over an empty cache attends the prompt in full precision exactly as the unpatched model does; any
     later call (decode, a prefill chunk, speculative verification) attends the layer's store: sink and tail in full
     precision, quantized tiles through folded scales. Tiles that filled are quantized after the forward pass
-    (`KVarNCache.flush`, called by a hook `patch` installs on the decoder).
+    (`KVarNCache.flush`, called by a hook `patch` installs on the decoder). When the pass asks for attention
+    weights (``output_attentions``), the model's eager attention runs instead, over the whole store dequantized
+    (the same scores, written out).
 
     Args:
         module: The attention module (``layer_idx`` selects the cache layer).
@@ -157,7 +161,7 @@ def kvarn_attention(
         **kwargs: ``indices`` (DSA top-k ``[B, S, k]``), ``sliding_window`` and whatever else the model passes.
 
     Returns:
-        ``(out [B, S, H, Dv], None)``.
+        ``(out [B, S, H, Dv], attention weights [B, H, S, T] or None)``.
     """
     binding: AttentionBinding | None = module.__dict__.get(BINDING_ATTR)
     if binding is None:  # a module `patch` did not take over (e.g. a vision tower sharing the config)
@@ -166,13 +170,13 @@ def kvarn_attention(
     mask = to_bool_mask(attention_mask)
     indices = kwargs.pop("indices", None)
     layer = binding.layer(module)
+    weights_wanted = getattr(binding.cache, "output_attentions", False)
+    fallback = "eager" if weights_wanted else binding.fallback
     if layer is None or layer.length == layer.new_tokens:
-        kv_len = key.shape[2]
-        out = binding.adapter.full_precision(
-            module, query, key, value, select_topk(mask, indices, kv_len), binding.fallback,
-            dropout=dropout, scaling=scaling, **kwargs,
-        )
-    else:
-        mask = select_topk(mask, indices, layer.length)
-        out = binding.adapter.quantized(module, query, layer, mask, scaling, binding.backend)
-    return out, None
+        return binding.adapter.full_precision(module, query, key, value, select_topk(mask, indices, key.shape[2]),
+                                              fallback, dropout=dropout, scaling=scaling, **kwargs)
+    mask = select_topk(mask, indices, layer.length)
+    if weights_wanted:
+        return binding.adapter.full_precision(module, query, layer.keys, layer.values, mask, "eager",
+                                              dropout=dropout, scaling=scaling, **kwargs)
+    return binding.adapter.quantized(module, query, layer, mask, scaling, binding.backend), None

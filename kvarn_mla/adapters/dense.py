@@ -36,7 +36,7 @@ class DenseAdapter(Adapter):
     def is_attention(self, module: nn.Module) -> bool:
         return all(hasattr(module, name) for name in ("layer_idx", "q_proj", "k_proj", "v_proj", "o_proj"))
 
-    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
+    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> tuple:
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 
     def quantized(self, module, query, layer, mask, scaling: float, backend: Backend) -> torch.Tensor:

@@ -23,7 +23,6 @@ from ..config import KVarNConfig
 from ..store import StreamSpec
 from .base import Adapter, fallback_attention
 
-
 ABSORBED_ATTR = "_kvarn_absorbed"  # instance attribute set by `prepare`: the module's `Absorbed` projections
 
 
@@ -108,7 +107,7 @@ class MLAAdapter(Adapter):
             absorbed = module.__dict__[ABSORBED_ATTR] = Absorbed.of(module)
         return absorbed
 
-    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> torch.Tensor:
+    def full_precision(self, module, query, key, value, mask, fallback: str, **kwargs) -> tuple:
         key, value = type(module).expand_kv(module, key, value)  # the model's own expansion, as unpatched
         return fallback_attention(module, query, key, value, mask, fallback, **kwargs)
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheme import Axis, TileScheme
 from .folded import tile_scores, tile_values
 from .hadamard import rotate
 from .rtn import unpack
+from .scheme import Axis, TileScheme
 from .tile import QuantizedTile
 
 BLOCK_ELEMENTS = 1 << 22  # elements of unpacked codes and products per block of a read (bounds the transient)

@@ -24,9 +24,9 @@ def _hadamard_cpu(dim: int) -> torch.Tensor:
     return torch.block_diag(*([h] * (dim // block)))  # float64; converted per (device, dtype) below
 
 
-@functools.lru_cache(maxsize=64)
-def _hadamard_on(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return _hadamard_cpu(dim).to(device=device, dtype=dtype)
+# Per (dim, device, dtype). A plain dict rather than lru_cache: torch.compile reads a dict entry as a constant, while
+# it would trace through an lru_cache-wrapped function and rebuild the matrix in every compiled step.
+_MATRICES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def hadamard_matrix(
@@ -38,7 +38,10 @@ def hadamard_matrix(
     block-diagonal with Sylvester blocks of the largest power of two dividing ``dim`` (odd widths give the
     identity). Matrices are cached per (dim, device, dtype).
     """
-    return _hadamard_on(dim, torch.device(device), dtype)
+    key = (dim, torch.device(device), dtype)
+    if key not in _MATRICES:
+        _MATRICES[key] = _hadamard_cpu(dim).to(device=key[1], dtype=dtype)
+    return _MATRICES[key]
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

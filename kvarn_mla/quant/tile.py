@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheme import TileScheme
 from .hadamard import hadamard_matrix, rotate
 from .rtn import pack, quantize_rows, unpack
+from .scheme import TileScheme
 from .varnorm import variance_normalize
 
 METADATA_DTYPE = torch.float16  # scale, zero and gamma as stored in the cache
