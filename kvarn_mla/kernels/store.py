@@ -19,7 +19,7 @@ from triton.language.extra import libdevice
 
 from ..quant.scheme import TileScheme
 from ..quant.hadamard import hadamard_block_size
-from ..quant.rtn import STEP_MIN, packed_width
+from ..quant.rtn import SNAP_BITS, STEP_MIN, packed_width
 from ..quant.tile import QuantizedTile
 from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, SPREAD_FLOOR, STD_MAX, STD_MIN, TIE_SLACK
 from .common import check_triton_device, interpreter_enabled
@@ -30,6 +30,7 @@ _TIE = tl.constexpr(TIE_SLACK)
 _STD_MIN, _STD_MAX = tl.constexpr(STD_MIN), tl.constexpr(STD_MAX)
 _LOG_MIN, _LOG_MAX = tl.constexpr(LOG_SCALE_MIN), tl.constexpr(LOG_SCALE_MAX)
 _STEP_MIN = tl.constexpr(STEP_MIN)
+_SNAP = tl.constexpr(float(2**SNAP_BITS))
 _SPREAD_FLOOR = tl.constexpr(SPREAD_FLOOR)
 # float64 exp/log: libdevice's __nv_exp/__nv_log when compiled for CUDA (tl.exp/tl.log lower to float32
 # approximations there), numpy's under the interpreter, which has no libdevice.
@@ -239,6 +240,7 @@ def _store_kernel(
             row_scale = _exp64(tok_log)
             tl.store(scale_ptr + rows, (row_scale * t_step).to(tl.float32).to(tl.float16))
             tl.store(zero_ptr + rows, (row_scale * t_lo).to(tl.float32).to(tl.float16))
+        v = _round_half_even(v * _SNAP) / _SNAP  # exact ties stay ties (see SNAP_BITS)
         codes = tl.minimum(tl.maximum(_round_half_even(v), 0.0), QMAX).to(tl.int32)
         codes = tl.where(d_mask[None, :], codes, 0)
         # 4. Pack along channels: a little-endian bit stream, code i at bits [i*BITS, (i+1)*BITS).

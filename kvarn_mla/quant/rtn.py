@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 STEP_MIN = 1e-10  # floor on the quantization step: constant rows quantize to code 0 exactly
+# Before rounding, ``(z - lo) / step`` is snapped to a grid of 2^-SNAP_BITS: an exact tie (a value on a half-integer,
+# common with coarse bf16/fp16 inputs) then rounds the same in every implementation, although the kernel's float64
+# arithmetic (another reduction order, exp(-log) for 1/exp(log)) lands a few ulps to either side of it.
+SNAP_BITS = 32
 
 
 def quantize_rows(
@@ -18,8 +22,9 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max RTN of each row of ``z``.
 
-    ``code = clamp(round((z - lo) / step), 0, 2^b - 1)`` with ``lo``/``hi`` the row min/max over valid columns and
-    ``step = max((hi - lo) / (2^b - 1), 1e-10)``; ``torch.round`` rounds half to even.
+    ``code = clamp(round(snap((z - lo) / step)), 0, 2^b - 1)`` with ``lo``/``hi`` the row min/max over valid
+    columns, ``step = max((hi - lo) / (2^b - 1), 1e-10)``, ``snap`` rounding to the grid of 2^-32 (`SNAP_BITS`);
+    ``torch.round`` rounds half to even.
 
     Args:
         z: ``[..., R, C]`` float64 (the reference's precision; float32 works).
@@ -39,7 +44,9 @@ def quantize_rows(
         empty = ~col_valid.any(-1, keepdim=True)
         lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     step = ((hi - lo) / qmax).clamp(min=STEP_MIN)
-    codes = torch.round((z - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp(0, qmax).to(torch.uint8)
+    levels = (z - lo.unsqueeze(-1)) / step.unsqueeze(-1)
+    levels = torch.round(levels * 2.0**SNAP_BITS) / 2.0**SNAP_BITS
+    codes = torch.round(levels).clamp(0, qmax).to(torch.uint8)
     return codes, step, lo
 
 
