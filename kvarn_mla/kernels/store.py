@@ -22,7 +22,7 @@ from ..quant.hadamard import hadamard_block_size
 from ..quant.rtn import SNAP_BITS, STEP_MIN, packed_width
 from ..quant.tile import QuantizedTile
 from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, SPREAD_FLOOR, STD_MAX, STD_MIN, TIE_SLACK
-from .common import check_triton_device, interpreter_enabled
+from .common import KernelLaunch, check_triton_device, device_capability, interpreter_enabled
 
 _CHUNK_ELEMENTS = 4096  # float64 elements per chunk held in registers
 # The reference's constants, as compile-time constants of the kernel (never re-typed here).
@@ -260,23 +260,18 @@ def _store_kernel(
             tl.store(codes_ptr + rows[:, None] * PACKED + cols[None, :], byte, mask=cols[None, :] < PACKED)
 
 
-def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
-    """Quantize tiles ``x [N, G, D]`` in one launch; same contract as `kvarn_mla.quant.store_tiles_reference`.
-
-    Args:
-        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous), ``G == scheme.tile_size``.
-        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
-        token_valid: Optional ``[N, G]`` bool, False for padding tokens.
-
-    Returns:
-        `QuantizedTile` with codes ``[N, G, packed_width(D, bits)]`` uint8 and float16 metadata.
-    """
+def plan_store_tiles(
+    x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None, *,
+    capability: tuple[int, int] | None = None,
+) -> tuple[KernelLaunch, QuantizedTile]:
+    """The launch `store_tiles` runs and the tiles it writes, prepared without launching anything (so that a
+    compile check can compile it for any target from CPU tensors). Arguments as `store_tiles`; ``capability`` is
+    the target's compute capability (None: the interpreter); every target gets the same blocks today."""
     if x.dim() != 3 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.shape[1] != scheme.tile_size:
         raise ValueError(f"x must be [N, {scheme.tile_size}, D] fp16/bf16/fp32, got shape={tuple(x.shape)} "
                          f"dtype={x.dtype}")
     if not scheme.quantized:
         raise ValueError(f"store_tiles quantizes: scheme.bits must be one of (2, 3, 4, 8), got {scheme.bits}")
-    check_triton_device(x.device)
     num, size, dim = x.shape
     x = x.contiguous()
     block_d = max(8, triton.next_power_of_2(dim))
@@ -288,22 +283,37 @@ def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor |
     scale = torch.empty(num, rows, dtype=torch.float16, device=device)
     zero = torch.empty(num, rows, dtype=torch.float16, device=device)
     gamma = torch.empty(num, cols, dtype=torch.float16, device=device)
-    if num == 0:
-        return QuantizedTile(codes, scale, zero, gamma)
     rot = torch.empty(num, size, dim, dtype=torch.float32, device=device)
     tok = torch.empty(num, 4, size, dtype=torch.float64, device=device)
     valid = (torch.ones(num, size, dtype=torch.int8, device=device) if token_valid is None
              else token_valid.to(device=device, dtype=torch.int8).contiguous())
     had_block = hadamard_block_size(dim) if scheme.hadamard else 1
-    _store_kernel[(num,)](
-        x, valid, rot, tok, codes, scale, zero, gamma,
-        1.0 / math.sqrt(had_block),
-        G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=scheme.bits, PACKED=packed,
-        AXIS_CHANNEL=scheme.axis == "channel", ITERS=scheme.varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
-        HAS_MASK=token_valid is not None,
-        num_warps=8,
+    launch = KernelLaunch(
+        _store_kernel, (num,),
+        (x, valid, rot, tok, codes, scale, zero, gamma, 1.0 / math.sqrt(had_block)),
+        dict(G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=scheme.bits, PACKED=packed,
+             AXIS_CHANNEL=scheme.axis == "channel", ITERS=scheme.varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
+             HAS_MASK=token_valid is not None, num_warps=8),
     )
-    return QuantizedTile(codes, scale, zero, gamma)
+    return launch, QuantizedTile(codes, scale, zero, gamma)
 
 
-__all__ = ["store_tiles"]
+def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
+    """Quantize tiles ``x [N, G, D]`` in one launch; same contract as `kvarn_mla.quant.store_tiles_reference`.
+
+    Args:
+        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous), ``G == scheme.tile_size``.
+        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
+        token_valid: Optional ``[N, G]`` bool, False for padding tokens.
+
+    Returns:
+        `QuantizedTile` with codes ``[N, G, packed_width(D, bits)]`` uint8 and float16 metadata.
+    """
+    check_triton_device(x.device)
+    launch, tiles = plan_store_tiles(x, scheme, token_valid, capability=device_capability(x.device))
+    if x.shape[0]:
+        launch.run()
+    return tiles
+
+
+__all__ = ["plan_store_tiles", "store_tiles"]
