@@ -477,7 +477,7 @@ class DecodeConfig:
 
 
 def decode_config(rows: int, key_dim: int, value_dim: int, dtype: torch.dtype, mla: bool,
-                  capability: tuple[int, int] | None) -> DecodeConfig:
+                  capability: tuple[int, int] | None, masked: bool = False) -> DecodeConfig:
     """The decode launch's configuration for ``rows`` query rows per kv head on a device of compute ``capability``
     (None: Triton's interpreter, configured like sm_90 so that the tests run the same blocks).
 
@@ -488,14 +488,16 @@ def decode_config(rows: int, key_dim: int, value_dim: int, dtype: torch.dtype, m
     (512 + 64) 180 registers and 48 KB of shared memory on sm_90 and sm_80, where 64-head blocks spill (255
     registers, the query and four ``[64, 128]`` accumulators). Devices with at most 99 KB of shared memory per block
     (sm_86, sm_89, sm_120) get the same blocks, which fit (`benchmarks/results/compile_sm86.md`); ``capability``
-    is the hook for a target that needs others.
+    is the hook for a target that needs others. 16-head blocks for float32 stores (TF32 dots, 4-byte operands) and
+    for launches with an explicit mask (``masked``), which spill at 32 on sm_90 (660 and 36 B); an 8-bit latent
+    still spills 68/100 B on sm_90 and 40/40 B on sm_86 (none on sm_80), see `benchmarks/results/compile_sm*.md`.
     """
     block_m = max(16, triton.next_power_of_2(rows))
     if not mla:
         return DecodeConfig(min(block_m, 64 if value_dim <= 128 else 32), 32, 0, 0, 8 if key_dim >= 256 else 4, 2)
     width = triton.next_power_of_2(key_dim)
     block_c = min(128, max(16, width))
-    block_m = min(block_m, 32)
+    block_m = min(block_m, 16 if masked or dtype not in (torch.float16, torch.bfloat16) else 32)
     v_chunks = min(4, width // block_c)  # a latent wider than 512 splits the value over programs
     return DecodeConfig(block_m, 32, block_c, v_chunks, 8 if block_m * width >= 8192 else 4, 1)
 
@@ -556,7 +558,7 @@ def plan_tiled_attention(
     value = seg1 if mla else values
     dv = value.dim
     device = q.device
-    config = config or decode_config(rows, d1, dv, seg1.dtype, mla, capability)
+    config = config or decode_config(rows, d1, dv, seg1.dtype, mla, capability, masked=mask is not None)
     dot, q_dtype = _DOT.get(seg1.dtype, (tl.float32, torch.float32))
     if capability is None:
         dot, q_dtype = tl.float32, torch.float32  # the interpreter computes dots in float32 anyway
