@@ -4,7 +4,7 @@ The launchers' own launches for sm_90 and sm_80 (`benchmarks/compile_report.py -
 (512 + 64) with a 16- and an 8-bit RoPE key, one and two tiles per split; GQA decode at head_dim 128; the store
 kernel at 8 bits), compiled in a subprocess because the suite runs Triton's interpreter (conftest sets
 ``TRITON_INTERPRET=1``, under which nothing compiles). The full tables are ``benchmarks/results/compile_sm*.md``.
-About a minute and a half on 2 busy cores.
+40 s on this 2-core machine (103 s while other jobs ran).
 """
 
 from __future__ import annotations
