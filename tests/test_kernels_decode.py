@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE
 
 from kvarn_mla.config import TileScheme
-from kvarn_mla.kernels.decode import kernel_supports, merge_splits, tiled_attention
+from kvarn_mla.kernels.common import device_capability
+from kvarn_mla.kernels.decode import (
+    DecodeConfig,
+    attend,
+    kernel_supports,
+    merge_splits,
+    plan_tiled_attention,
+    tiled_attention,
+)
 from kvarn_mla.quant import StreamView, store_tiles_reference, tiled_attention_reference
 from kvarn_mla.store import Stream, StreamSpec, flush_streams
 
@@ -38,11 +45,20 @@ def _stream(spec: tuple, batch: int, length: int, *, tile=64, sink=64, dtype=tor
     return stream.view()
 
 
-def _check(q, keys, values, *, q_len=1, kv_start=None, num_splits=None, dtype=torch.float32):
+def _check(q, keys, values, *, q_len=1, kv_start=None, mask=None, num_splits=None, dtype=torch.float32,
+           config=None):
     q = q.to(DEVICE)
     kv_start = None if kv_start is None else kv_start.to(DEVICE)
-    out = tiled_attention(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start, num_splits=num_splits)
-    ref = tiled_attention_reference(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start)
+    mask = None if mask is None else mask.to(DEVICE)
+    if config is None:
+        out = tiled_attention(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start, mask=mask,
+                              num_splits=num_splits)
+    else:  # the launcher's own plan with other block sizes
+        plan = plan_tiled_attention(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start, mask=mask,
+                                    num_splits=num_splits, capability=device_capability(q.device), config=config)
+        plan.launch.run()
+        out = merge_splits(plan.partial, plan.lse, plan.rotated_tiles)
+    ref = tiled_attention_reference(q, keys, values, 0.25, q_len=q_len, kv_start=kv_start, mask=mask)
     assert out.shape == ref.shape and out.dtype == torch.float32
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -65,6 +81,56 @@ def test_mla_decode(rank, rope, rope_bits):
     rope_key = _stream(_spec("rope", 1, rope, rope_bits, "channel"), 2, 200, seed=2)
     heads = 16
     _check(torch.randn(2, 1, heads, rank + rope), [latent, rope_key], None, num_splits=2)
+
+
+@pytest.mark.parametrize("v_chunks", [4, 2, 1])  # the whole value in one program, or split over 2 or 4
+def test_mla_head_blocks_and_value_split(v_chunks):
+    # 40 heads in blocks of 16 (the last one partial), a 128-wide latent in four 32-channel chunks: the paths the
+    # DeepSeek shapes (128 heads, 512 + 64) take on a GPU, at a size the interpreter runs quickly.
+    latent = _stream(_spec("latent", 1, 128, 4, "channel"), 2, 200)
+    rope_key = _stream(_spec("rope", 1, 16, 8, "channel"), 2, 200, seed=2)
+    config = DecodeConfig(block_m=16, block_n=32, block_c=32, v_chunks=v_chunks, num_warps=4, num_stages=1)
+    _check(torch.randn(2, 1, 40, 144), [latent, rope_key], None, num_splits=2, config=config)
+
+
+def _random_mask(batch, q_len, length, seed=0):
+    # A top-k-like mask: random keys, every query row seeing at least its own position.
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, 1, q_len, length, generator=gen) < 0.3
+    mask[..., torch.arange(q_len), torch.arange(length - q_len, length)] = True
+    return mask
+
+
+@pytest.mark.parametrize("family", ["gqa", "mla"])
+def test_explicit_mask(family):
+    # Any [B, 1, S, T] bool mask (the DSA indexer's top-k, custom masks) is read by the kernel as given.
+    if family == "gqa":
+        keys = [_stream(_spec("key", 2, 32, 4, "channel"), 2, 260)]
+        values = _stream(_spec("value", 2, 32, 2, "token"), 2, 260, seed=1)
+        q = torch.randn(2, 2, 4 * 3, 32)
+    else:
+        keys = [_stream(_spec("latent", 1, 64, 4, "channel"), 2, 260),
+                _stream(_spec("rope", 1, 16, 16, "channel"), 2, 260, seed=2)]
+        values = None
+        q = torch.randn(2, 1, 8 * 3, 80)
+    _check(q, keys, values, q_len=3, mask=_random_mask(2, 3, 260), num_splits=2)
+    # A mask broadcast over the batch, as a stride-0 view.
+    _check(q, keys, values, q_len=3, mask=_random_mask(1, 3, 260).expand(2, 1, 3, 260), num_splits=2)
+
+
+def test_attend_takes_the_mask_as_given():
+    # The backend entry point: a left-padding + causal mask gives what kv_start gives, with no host round trip
+    # to find the padding.
+    keys = _stream(_spec("key", 2, 32, 4, "channel"), 3, 260)
+    values = _stream(_spec("value", 2, 32, 2, "token"), 3, 260, seed=1)
+    kv_start = torch.tensor([0, 20, 150], device=DEVICE)
+    positions = torch.arange(260, device=DEVICE)
+    mask = (positions >= kv_start.view(3, 1, 1, 1)) & (positions <= 260 - 2 + torch.arange(2, device=DEVICE)
+                                                        .view(1, 1, 2, 1))
+    q = torch.randn(3, 2, 4 * 2, 32, device=DEVICE)
+    out = attend(q, [keys], values, 0.25, mask, 2)
+    ref = tiled_attention_reference(q, [keys], values, 0.25, q_len=2, kv_start=kv_start)
+    assert float((out - ref).abs().max() / ref.abs().max()) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 8])

@@ -6,6 +6,17 @@ float64) into a float32 scratch copy, and every later pass streams that copy aga
 registers, per-token vectors in a small float64 scratch. Arithmetic mirrors `kvarn_mla.quant.tile.quantize_tile`:
 float64 statistics (one-pass unbiased std), float64 RTN with round-half-to-even, metadata rounded
 float64 -> float32 -> float16, so the integer codes equal the reference's.
+
+Why float64 (measured, `benchmarks/compile_report.py`): the kernel compiles to about 2-4k float64 instructions
+(PTX), mostly the statistics passes and libdevice's exp/log; a tile is quantized once per ``G`` tokens, so at
+half-rate float64 (H100/H200/A100) this is well under a microsecond per decoded token per model, and even at the
+1/64 rate of consumer cards a small fraction of a decode step. In exchange the integer codes equal the float64
+reference's exactly under Triton's interpreter (the tests), and a float32 kernel could not promise that. Compiled
+for CUDA, exp/log are libdevice's, not the CPU's libm: they may differ in the last bit, which moves a level across a
+rounding boundary for a tiny fraction of codes (a code off by one, never a wrong scale); the GPU tests allow that.
+
+Registers: a chunk of ``_CHUNK_ELEMENTS`` float64 values (2048: 16 tokens at D = 128, 4 at 512) keeps every width
+and bit width spill-free on sm_80 and sm_90; 4096 spilled at 8 bits (K/V d128: 255 registers, 120-136 B of stack).
 """
 
 from __future__ import annotations
@@ -17,14 +28,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..quant.scheme import TileScheme
 from ..quant.hadamard import hadamard_block_size
 from ..quant.rtn import SNAP_BITS, STEP_MIN, packed_width
+from ..quant.scheme import TileScheme
 from ..quant.tile import QuantizedTile
 from ..quant.varnorm import LOG_SCALE_MAX, LOG_SCALE_MIN, SPREAD_FLOOR, STD_MAX, STD_MIN, TIE_SLACK
-from .common import check_triton_device, interpreter_enabled
+from .common import KernelLaunch, check_triton_device, device_capability, interpreter_enabled
 
-_CHUNK_ELEMENTS = 4096  # float64 elements per chunk held in registers
+_CHUNK_ELEMENTS = 2048  # float64 elements per chunk held in registers (see the module docstring)
 # The reference's constants, as compile-time constants of the kernel (never re-typed here).
 _TIE = tl.constexpr(TIE_SLACK)
 _STD_MIN, _STD_MAX = tl.constexpr(STD_MIN), tl.constexpr(STD_MAX)
@@ -182,13 +193,15 @@ def _store_kernel(
     for _ in range(ITERS):
         if AXIS_CHANNEL:  # columns are tokens
             _update_tokens(tok_ptr, valid_ptr, offs_t, G, BLOCK_T, HAS_MASK)
-            ch_std, _s = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T, HAS_MASK)
+            ch_std, _s = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T,
+                                     HAS_MASK)
             ch_log = _update_channels(ch_log, ch_std, d_mask)
         else:  # columns are channels
             ch_log = _update_channels(ch_log, ch_std, d_mask)
             _c, _s = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T, HAS_MASK)
             _update_tokens(tok_ptr, valid_ptr, offs_t, G, BLOCK_T, HAS_MASK)
-        ch_std, score = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T, HAS_MASK)
+        ch_std, score = _stats_pass(rot_ptr, tok_ptr, ch_log, valid_ptr, offs_t, offs_d, d_mask, G, D, BLOCK_T,
+                                    HAS_MASK)
         if score <= best * (1.0 + _TIE):
             best = score
             best_ch = ch_log
@@ -260,23 +273,18 @@ def _store_kernel(
             tl.store(codes_ptr + rows[:, None] * PACKED + cols[None, :], byte, mask=cols[None, :] < PACKED)
 
 
-def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
-    """Quantize tiles ``x [N, G, D]`` in one launch; same contract as `kvarn_mla.quant.store_tiles_reference`.
-
-    Args:
-        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous), ``G == scheme.tile_size``.
-        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
-        token_valid: Optional ``[N, G]`` bool, False for padding tokens.
-
-    Returns:
-        `QuantizedTile` with codes ``[N, G, packed_width(D, bits)]`` uint8 and float16 metadata.
-    """
+def plan_store_tiles(
+    x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None, *,
+    capability: tuple[int, int] | None = None,
+) -> tuple[KernelLaunch, QuantizedTile]:
+    """The launch `store_tiles` runs and the tiles it writes, prepared without launching anything (so that a
+    compile check can compile it for any target from CPU tensors). Arguments as `store_tiles`; ``capability`` is
+    the target's compute capability (None: the interpreter); every target gets the same blocks today."""
     if x.dim() != 3 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.shape[1] != scheme.tile_size:
         raise ValueError(f"x must be [N, {scheme.tile_size}, D] fp16/bf16/fp32, got shape={tuple(x.shape)} "
                          f"dtype={x.dtype}")
     if not scheme.quantized:
         raise ValueError(f"store_tiles quantizes: scheme.bits must be one of (2, 3, 4, 8), got {scheme.bits}")
-    check_triton_device(x.device)
     num, size, dim = x.shape
     x = x.contiguous()
     block_d = max(8, triton.next_power_of_2(dim))
@@ -288,22 +296,37 @@ def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor |
     scale = torch.empty(num, rows, dtype=torch.float16, device=device)
     zero = torch.empty(num, rows, dtype=torch.float16, device=device)
     gamma = torch.empty(num, cols, dtype=torch.float16, device=device)
-    if num == 0:
-        return QuantizedTile(codes, scale, zero, gamma)
     rot = torch.empty(num, size, dim, dtype=torch.float32, device=device)
     tok = torch.empty(num, 4, size, dtype=torch.float64, device=device)
     valid = (torch.ones(num, size, dtype=torch.int8, device=device) if token_valid is None
              else token_valid.to(device=device, dtype=torch.int8).contiguous())
     had_block = hadamard_block_size(dim) if scheme.hadamard else 1
-    _store_kernel[(num,)](
-        x, valid, rot, tok, codes, scale, zero, gamma,
-        1.0 / math.sqrt(had_block),
-        G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=scheme.bits, PACKED=packed,
-        AXIS_CHANNEL=scheme.axis == "channel", ITERS=scheme.varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
-        HAS_MASK=token_valid is not None,
-        num_warps=8,
+    launch = KernelLaunch(
+        _store_kernel, (num,),
+        (x, valid, rot, tok, codes, scale, zero, gamma, 1.0 / math.sqrt(had_block)),
+        dict(G=size, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, BITS=scheme.bits, PACKED=packed,
+             AXIS_CHANNEL=scheme.axis == "channel", ITERS=scheme.varnorm_iters, LOG_HAD=had_block.bit_length() - 1,
+             HAS_MASK=token_valid is not None, num_warps=8),
     )
-    return QuantizedTile(codes, scale, zero, gamma)
+    return launch, QuantizedTile(codes, scale, zero, gamma)
 
 
-__all__ = ["store_tiles"]
+def store_tiles(x: torch.Tensor, scheme: TileScheme, token_valid: torch.Tensor | None = None) -> QuantizedTile:
+    """Quantize tiles ``x [N, G, D]`` in one launch; same contract as `kvarn_mla.quant.store_tiles_reference`.
+
+    Args:
+        x: ``[N, G, D]`` fp16/bf16/fp32 tiles (made contiguous), ``G == scheme.tile_size``.
+        scheme: A quantized `TileScheme` (bits, axis, normalization iterations, rotation).
+        token_valid: Optional ``[N, G]`` bool, False for padding tokens.
+
+    Returns:
+        `QuantizedTile` with codes ``[N, G, packed_width(D, bits)]`` uint8 and float16 metadata.
+    """
+    check_triton_device(x.device)
+    launch, tiles = plan_store_tiles(x, scheme, token_valid, capability=device_capability(x.device))
+    if x.shape[0]:
+        launch.run()
+    return tiles
+
+
+__all__ = ["plan_store_tiles", "store_tiles"]
