@@ -14,6 +14,7 @@ What `patch` changes, all on the instance (transformers' module globals are neve
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 import warnings
@@ -199,7 +200,9 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
     state.handles.append(decoder.register_forward_pre_hook(before, with_kwargs=True))
     state.handles.append(decoder.register_forward_hook(after, with_kwargs=True, always_call=True))
     model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
-    model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs_for_generation, model)
+    model.prepare_inputs_for_generation = types.MethodType(
+        _flushing_prepare_inputs(type(model).prepare_inputs_for_generation), model
+    )
     text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
     model.__dict__[STATE_ATTR] = state
     return model
@@ -254,13 +257,19 @@ def _prepare_cache_for_generation(self: PreTrainedModel, generation_config, mode
     return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
-def _prepare_inputs_for_generation(self: PreTrainedModel, *args, **kwargs):
-    """`generate` hook, run before every step and outside a compiled forward: quantize the tiles that a compiled
-    step (which holds no flush) left full. After an eager step nothing is pending and this costs nothing."""
-    cache = _call_cache(kwargs)
-    if isinstance(cache, KVarNCache) and cache.has_pending_tiles():
-        cache.flush(_token_valid(kwargs.get("attention_mask"), cache))
-    return type(self).prepare_inputs_for_generation(self, *args, **kwargs)
+def _flushing_prepare_inputs(prepare_inputs):
+    """``prepare_inputs_for_generation`` that first quantizes the tiles a compiled step (which holds no flush) left
+    full: `generate` calls it before every step, outside the compiled forward. After an eager step nothing is
+    pending and it costs nothing. It keeps the wrapped method's signature, which `generate` inspects."""
+
+    @functools.wraps(prepare_inputs)
+    def prepare_inputs_for_generation(self: PreTrainedModel, *args, **kwargs):
+        cache = _call_cache(kwargs)
+        if isinstance(cache, KVarNCache) and cache.has_pending_tiles():
+            cache.flush(_token_valid(kwargs.get("attention_mask"), cache))
+        return prepare_inputs(self, *args, **kwargs)
+
+    return prepare_inputs_for_generation
 
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "ATTN_IMPLEMENTATION"]
