@@ -141,3 +141,14 @@ def test_eager_models_keep_eager_for_full_precision_attention():
     assert torch.equal(out[0, 7:], reference[0, 7:]) and torch.equal(out[1], reference[1])
     kvarn_mla.unpatch(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_generate_from_inputs_embeds():
+    """`generate` inspects ``prepare_inputs_for_generation``'s signature for ``inputs_embeds``: the patched one keeps
+    the model's."""
+    model = build_model("llama")
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    embeds = model.get_input_embeddings()(ids)
+    expected = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
+    kvarn_mla.patch(model, "k8v8")
+    assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False), expected)
