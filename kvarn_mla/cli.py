@@ -185,6 +185,33 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lm_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .evaluation.lm_harness import require_lm_eval, run_lm_eval, write_results
+
+    lm_eval = require_lm_eval()  # before the model loads: one line naming the extra when it is missing
+    batch_size = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
+    limit = None if args.limit is None else float(args.limit) if "." in args.limit else int(args.limit)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    results = run_lm_eval(args.model, args.preset, [t for t in args.tasks.split(",") if t], dtype=dtype, limit=limit,
+                          num_fewshot=args.num_fewshot, batch_size=batch_size, include_path=args.include_path,
+                          gen_kwargs=args.gen_kwargs, max_length=args.max_length, log_samples=args.log_samples,
+                          seed=args.seed)
+    kvarn = results["kvarn"]
+    print(f"{kvarn['model']} | cache: {kvarn['preset']} | {kvarn['config'] or '16-bit (unpatched)'}")
+    print(lm_eval.utils.make_table(results))
+    if results.get("groups"):
+        print(lm_eval.utils.make_table(results, "groups"))
+    if kvarn["preset"] != "none":
+        print(f"KVarNCache: {kvarn['scored_calls']} scoring calls, {kvarn['generate_calls']} generate calls; largest "
+              f"cache {kvarn['max_cache_nbytes']:,} B (16-bit: {kvarn['max_cache_dense_nbytes']:,} B)")
+    if args.out:
+        write_results(results, Path(args.out))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn-mla", description="KVarN KV-cache quantization for transformers")
     parser.add_argument("--version", action="version", version=f"kvarn-mla {__version__}")
@@ -277,6 +304,32 @@ def build_parser() -> argparse.ArgumentParser:
                           help="cached tokens for worst-vectors; tokens per item (prompt + answer) for retrieval")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     evaluate.set_defaults(run=_eval)
+
+    harness = commands.add_parser(
+        "lm-eval", help="lm-evaluation-harness tasks on a patched model (pip install \".[lm-eval]\")",
+        description="Run lm-evaluation-harness tasks (generate_until and loglikelihood) on a model patched with a "
+                    "KVarN preset, through lm-eval's HFLM around the loaded instance. Scoring requests run through "
+                    "the KVarN cache in tile-aligned chunks, so each token sees the cache greedy decoding would have.")
+    harness.add_argument("--model", required=True, help="mla | gqa | mha (bundled), a model directory, or a cached "
+                         "hub name")
+    harness.add_argument("--preset", default=None,
+                         help="KVarN method as `kvarn-mla eval` takes it (k4v2, k4v2+tile_size=64, kvarn-3, ...); "
+                              "omitted or 'none': the 16-bit cache, unpatched")
+    harness.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
+    harness.add_argument("--include-path", help="directory of local task YAMLs (e.g. dataset_path: json with "
+                         "dataset_kwargs.data_files)")
+    harness.add_argument("--limit", help="items per task: a count, or a fraction with a '.' (default: all)")
+    harness.add_argument("--num-fewshot", type=int, default=None)
+    harness.add_argument("--batch-size", default="1", help="requests per forward pass, or 'auto' (default 1)")
+    harness.add_argument("--max-length", type=int, default=None,
+                         help="token limit of a request (default: the model's max_position_embeddings)")
+    harness.add_argument("--gen-kwargs", help="generation arguments for generate_until tasks, e.g. "
+                         "'max_gen_toks=64,temperature=0'")
+    harness.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    harness.add_argument("--seed", type=int, default=0, help="lm-eval's random, numpy, torch and few-shot seeds")
+    harness.add_argument("--log-samples", action="store_true", help="keep every request and response in --out")
+    harness.add_argument("--out", help="write lm-eval's results (and the cache bytes) as JSON")
+    harness.set_defaults(run=_lm_eval)
     return parser
 
 
