@@ -144,7 +144,11 @@ def run_lm_eval(model_name: str, preset: str | None, tasks: list[str], *, dtype:
     if method.kind == "hf":
         raise ValueError(f"--preset {preset!r}: lm-eval runs KVarN presets or none (16-bit); transformers' "
                          "quantized caches are baselines of `kvarn-mla eval` only")
-    task_manager = TaskManager(include_path=include_path)
+    task_manager = None
+    if include_path:  # indexing lm-eval's own task YAMLs takes tens of seconds: only when a task is not local
+        task_manager = TaskManager(include_path=include_path, include_defaults=False)
+    if task_manager is None or any(t not in task_manager.all_tasks for t in tasks):
+        task_manager = TaskManager(include_path=include_path)
     missing = [t for t in tasks if t not in task_manager.all_tasks]
     if missing:
         where = f" (with --include-path {include_path})" if include_path else " (local YAMLs need --include-path DIR)"
