@@ -45,7 +45,7 @@ def require_lm_eval():
         import lm_eval
         from lm_eval.models.huggingface import HFLM  # noqa: F401  (HFLM needs more than the top-level package)
     except ImportError as error:
-        raise ValueError(f"kvarn-mla lm-eval needs lm-evaluation-harness: {INSTALL_HINT} ({error})") from None
+        raise ValueError(f"lm-evaluation-harness is not installed: {INSTALL_HINT} ({error})") from None
     return lm_eval
 
 
