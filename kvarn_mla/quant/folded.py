@@ -25,7 +25,7 @@ from .scheme import Axis
 def tile_scores(q: torch.Tensor, codes: torch.Tensor, scale, zero, gamma, axis: Axis) -> torch.Tensor:
     """Scores of ``q [B, H, M, D]`` (float32) against unpacked tiles ``codes [B, H, n, G, D]``.
 
-    The codes' dtype is the compute precision of the code products (float32, or bfloat16 for bfloat16 models);
+    The code products run in the codes' dtype (the torch path unpacks them to float32);
     scales are float32 and so is the result, ``[B, H, M, n * G]``.
     """
     batch, heads, rows, _ = q.shape
