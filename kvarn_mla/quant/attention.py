@@ -146,20 +146,6 @@ def attention_mask(
     return mask
 
 
-def padding_start(mask: torch.Tensor | None, q_len: int, kv_len: int) -> tuple[torch.Tensor | None, bool]:
-    """Express a ``[B, 1, S, T]`` bool mask as left padding + causal: ``(kv_start [B] or None, representable)``."""
-    if mask is None:
-        return None, True
-    batch = mask.shape[0]
-    visible = mask[:, 0, -1, :]  # the last query sees every non-padding key
-    first = visible.int().argmax(-1)
-    start = torch.where(visible.any(-1), first, torch.full_like(first, kv_len))
-    expected = attention_mask(q_len, kv_len, start, batch, mask.device)
-    if not torch.equal(mask.expand(batch, 1, q_len, kv_len), expected):
-        return None, False
-    return (start if bool(start.any()) else None), True
-
-
 def tiled_attention_reference(
     q: torch.Tensor,
     keys: Sequence[StreamView],
