@@ -45,8 +45,16 @@ def _plan(args: argparse.Namespace) -> int:
     from .adapters import layer_specs
     from .archs import load_config
     from .config import UNQUANTIZED
-    from .plan import (bits_label, family_label, format_bytes, parameter_count, parse_memory, plan, tp_kv_heads,
-                       weight_bytes)
+    from .plan import (
+        bits_label,
+        family_label,
+        format_bytes,
+        parameter_count,
+        parse_memory,
+        plan,
+        tp_kv_heads,
+        weight_bytes,
+    )
 
     memory = parse_memory(args.memory)
     model_config = load_config(args.model)
@@ -110,8 +118,8 @@ def _bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rows = run_bench(args.families.split(","), [int(c) for c in args.contexts.split(",")], args.steps,
                      Path(args.out), prefill_up_to=args.prefill_up_to)
-    print(f"\n| family | context | stock decode ms | k4v2 decode ms | speedup | stock prefill ms | k4v2 prefill ms "
-          f"| store / decode | cache MiB stock -> k4v2 |")
+    print("\n| family | context | stock decode ms | k4v2 decode ms | speedup | stock prefill ms | k4v2 prefill ms "
+          "| store / decode | cache MiB stock -> k4v2 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prefill = (f"{r['stock_prefill_ms']:.0f} | {r['k4v2_prefill_ms']:.0f}" if "stock_prefill_ms" in r
@@ -146,13 +154,17 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .evaluation import reasoning
     from .evaluation.methods import parse_methods, reference_label, require_available
-    from .evaluation.runner import file_digest, load_model, run
+    from .evaluation.runner import check_mode, file_digest, load_model, run
     from .evaluation.tasks import jsonl_items, reasoning_items, retrieval_items
 
     methods = parse_methods(args.presets)
     require_available(methods)  # before any model is loaded or any method has run
     if args.suite == "jsonl" and not args.tasks:
         raise ValueError("--suite jsonl needs --tasks FILE (one {\"prompt\", \"answer\"} object per line)")
+    sampling = {"do_sample": False}
+    if args.temperature:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    check_mode(args.mode, args.suite, sampling)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model, tokenizer = load_model(args.model, dtype)
     label = reference_label(dtype)
@@ -161,9 +173,6 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"kvarn-mla: note: the reference runs in {args.dtype} (--dtype), so its results are labelled {label!r}, "
               f"not {', '.join(sorted(asked))}", file=sys.stderr)
     torch.manual_seed(args.seed)
-    sampling = {"do_sample": False}
-    if args.temperature:
-        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     items = None
     batch_size = args.batch_size or (1 if args.suite == "retrieval" else 8)
     if args.suite == "reasoning":
@@ -179,7 +188,7 @@ def _eval(args: argparse.Namespace) -> int:
     summary = run(model, tokenizer, methods, args.suite, args.out, text_ids=text_ids, tokens=args.tokens,
                   chunk=args.chunk, greedy_tokens=args.greedy_tokens, items=items, batch_size=batch_size,
                   sampling=sampling, context=args.context, seed=args.seed, model_name=args.model,
-                  tasks_digest=file_digest(args.tasks) if args.suite == "jsonl" else None)
+                  tasks_digest=file_digest(args.tasks) if args.suite == "jsonl" else None, mode=args.mode)
     print(json.dumps({name: {k: v for k, v in row.items() if not k.startswith("kl_curve") and k != "attn_err_last"}
                       for name, row in summary["methods"].items()}, indent=1))
     return 0
@@ -305,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--context", type=int, default=1024,
                           help="cached tokens for worst-vectors; tokens per item (prompt + answer) for retrieval")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    evaluate.add_argument("--mode", default="greedy", choices=["greedy", "teacher-forced"],
+                          help="reasoning/retrieval: generate and check (greedy), or the same exact-match verdict from "
+                          "a few forward passes over the target, stopping at the first token that is not the argmax "
+                          "(teacher-forced; records only `exact`)")
     evaluate.set_defaults(run=_eval)
 
     harness = commands.add_parser(

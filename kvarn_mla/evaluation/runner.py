@@ -35,6 +35,7 @@ GREEDY_PROMPT = 512  # tokens of the text that prompt the free-running greedy co
 RECORD_FORMAT = 2  # records with a ``run`` field; legacy records (format 1) have none
 LEGACY_REFERENCE_DTYPE = "bfloat16"  # legacy records label the unquantized reference "bf16", whatever its dtype
 _META = ("suite", "method", "key", "run", "method_spec", "item")  # record fields that are not results
+_NOT_CHECKS = (*_META, "id", "new_tokens", "text", "first_miss", "target_tokens")  # generation record fields
 _VOLATILE_CONFIG = ("transformers_version", "name_or_path")  # model config fields that do not change a result
 
 
@@ -252,6 +253,7 @@ def run(
     tasks_digest: str | None = None,
     model_name: str | None = None,
     compute: bool = True,
+    mode: str = "greedy",
 ) -> dict:
     """Run ``suite`` for every method, resuming from ``out.jsonl``, and write the summary to ``out``.
 
@@ -274,18 +276,22 @@ def run(
         model_name: How the model was named (``--model``), for messages; the model is identified by its weights.
         compute: False only summarizes the records already in ``out.jsonl`` (a stopped run's partial table; also
             legacy records, see the module docstring).
+        mode: How generation suites score an item: ``"greedy"`` (generate, then run its checks) or
+            ``"teacher-forced"`` (`teacher_forced_items`: the headline ``exact`` verdict only, from a few forward
+            passes over the target; needs items with a target and greedy sampling).
 
     Raises:
         ValueError: ``out.jsonl`` holds records of another configuration (or legacy records and ``compute``).
     """
     from .accumulation import accumulation_curve, greedy_divergence, reference_greedy
-    from .tasks import generate_items
+    from .tasks import generate_items, teacher_forced_items
     from .worst import worst_vectors
 
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; allowed: {SUITES}")
     out = Path(out)
     sampling = {"do_sample": False} if sampling is None else sampling
+    check_mode(mode, suite, sampling)
     if suite in ("accumulation", "worst-vectors") and text_ids is None:
         text_ids = default_text(tokenizer, tokens)
     if suite == "accumulation" and greedy_prompt is None:
@@ -293,7 +299,7 @@ def run(
     identity = model_identity(model, model_name)
     config = run_config(suite, identity, suite_settings(
         suite, text_ids=text_ids, chunk=chunk, greedy_tokens=greedy_tokens, greedy_prompt=greedy_prompt,
-        batch_size=batch_size, sampling=sampling, context=context, seed=seed, tasks_digest=tasks_digest))
+        batch_size=batch_size, sampling=sampling, context=context, seed=seed, tasks_digest=tasks_digest, mode=mode))
     out.parent.mkdir(parents=True, exist_ok=True)
     log = ResultLog(out.with_suffix(".jsonl"), config, compute=compute)
     label_dtype = LEGACY_REFERENCE_DTYPE if log.legacy else identity["dtype"]
@@ -323,7 +329,9 @@ def run(
             digests = {it.id: item_digest(it) for it in items}
             todo = [it for it in items if not log.done(method, it.id, digests[it.id])]
             progress = tqdm(total=len(todo), desc=method.name, unit="item", leave=False)
-            for record in generate_items(model, tokenizer, todo, method, batch_size=batch_size, sampling=sampling):
+            records = (teacher_forced_items(model, tokenizer, todo, method) if mode == "teacher-forced" else
+                       generate_items(model, tokenizer, todo, method, batch_size=batch_size, sampling=sampling))
+            for record in records:
                 log.add(method, record["id"], record, item=digests[record["id"]])
                 progress.update()
             progress.close()
@@ -331,10 +339,26 @@ def run(
     summary["settings"] = {"suite": suite, "sampling": sampling, "chunk": chunk, "tokens": int(text_ids.shape[1])
                            if text_ids is not None else None, "greedy_tokens": greedy_tokens, "greedy_prompt_tokens":
                            None if greedy_prompt is None else int(greedy_prompt.shape[1]), "context": context,
-                           "legacy_records": log.legacy}
+                           "mode": mode, "legacy_records": log.legacy}
     summary["run"] = None if log.legacy else config
     out.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def check_mode(mode: str, suite: str, sampling: dict) -> None:
+    """Refuse a scoring mode that cannot serve ``suite``: teacher-forced scoring gives the greedy exact-match verdict
+    of the reasoning and retrieval suites only.
+
+    Raises:
+        ValueError: an unknown mode, or teacher-forced with another suite or with sampling.
+    """
+    from .tasks import MODES
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {MODES}")
+    if mode == "teacher-forced" and (suite not in ("reasoning", "retrieval") or sampling.get("do_sample")):
+        raise ValueError(f"mode 'teacher-forced' scores greedy exact match of the reasoning and retrieval suites; got "
+                         f"suite {suite!r}{' with sampling' if sampling.get('do_sample') else ''} (use --mode greedy)")
 
 
 def suite_settings(
@@ -349,9 +373,11 @@ def suite_settings(
     context: int,
     seed: int | None,
     tasks_digest: str | None,
+    mode: str = "greedy",
 ) -> dict:
     """The settings of ``suite`` that change its results (see `run` for the arguments); the others are left out,
-    so that changing them does not block a resume."""
+    so that changing them does not block a resume. The mode is named only when it is not greedy, so records
+    written before there were modes still resume."""
     if suite == "accumulation":
         return {"text": tensor_digest(text_ids), "text_tokens": int(text_ids.shape[1]), "chunk": chunk,
                 "greedy_prompt": tensor_digest(greedy_prompt), "greedy_prompt_tokens": int(greedy_prompt.shape[1]),
@@ -360,6 +386,9 @@ def suite_settings(
         return {"text": tensor_digest(text_ids), "text_tokens": int(text_ids.shape[1]), "context": context}
     settings = {"sampling": sampling, "batch_size": batch_size,
                 "seed": seed if sampling.get("do_sample") or suite == "retrieval" else None}
+    if mode != "greedy":
+        settings["mode"] = mode
+        del settings["batch_size"]  # one item at a time
     if suite == "retrieval":
         settings["context"] = context
     if suite == "jsonl":
@@ -373,7 +402,7 @@ def summarize(log: ResultLog, methods: list[Method], suite: str, model_config, k
     for method in methods:
         records = log.of(method, keys)
         if suite in ("reasoning", "retrieval", "jsonl") and records:
-            checks = [k for k in records[0] if k not in (*_META, "id", "new_tokens", "text")]
+            checks = [k for k in records[0] if k not in _NOT_CHECKS]
             row = {"n": len(records)}
             for check in checks:
                 correct = sum(bool(r[check]) for r in records)

@@ -22,12 +22,14 @@ class GenerationItem:
         prompt: Text to continue.
         checks: Named checks of the decoded completion; the first is the headline one.
         max_new_tokens: Generation budget.
+        target: The completion the headline check accepts, token for token (teacher-forced scoring), if known.
     """
 
     id: str
     prompt: str
     checks: dict[str, Callable[[str], bool]]
     max_new_tokens: int
+    target: str | None = None
 
 
 def reasoning_items(tokenizer, count: int, *, task: reasoning.Task, margin: int = 8) -> list[GenerationItem]:
@@ -40,7 +42,7 @@ def reasoning_items(tokenizer, count: int, *, task: reasoning.Task, margin: int 
             f"reasoning-{item.index}", item.prompt,
             {"exact": lambda text, item=item: reasoning.check(item, text),
              "answer": lambda text, item=item: reasoning.check_answer(item, text)},
-            budget,
+            budget, item.target,
         ))
     return items
 
@@ -55,7 +57,7 @@ def retrieval_items(tokenizer, context: int, seed: int, count: int, margin: int 
             f"retrieval-{context}-{seed}-{item.index}", item.prompt,
             {"exact": lambda text, item=item: retrieval.check(item, text),
              "numbers": lambda text, item=item: retrieval.check_answers(item, text) == 1.0},
-            item.target_tokens + margin,
+            item.target_tokens + margin, item.target,
         ))
     return items
 
@@ -128,3 +130,72 @@ def generate_items(
             text = tokenizer.decode(row[:stop], skip_special_tokens=False)  # the completion, up to end of text
             yield {"id": item.id, **{name: bool(check(text)) for name, check in item.checks.items()},
                    "new_tokens": min(stop + 1, len(row)), "text": text}
+
+
+MODES = ("greedy", "teacher-forced")
+
+
+def target_chunks(method: Method, cache, prompt_tokens: int, total_tokens: int) -> list[tuple[int, int]]:
+    """``(start, end)`` position spans covering ``range(prompt_tokens, total_tokens)`` that end wherever greedy decoding
+    would change what earlier tokens look like in ``cache``, so that a chunked forward pass over the target leaves
+    every token the cache one-token decoding steps would:
+
+    * a KVarN cache quantizes a tile when decoding completes it (at ``sink_tokens + k * tile_size``);
+    * transformers' quantized cache re-quantizes everything when its full-precision residual reaches
+      ``residual_length`` tokens after the prefill (every ``residual_length`` steps); its fp8 layer quantizes each
+      token as it arrives, and the unquantized cache never changes a token: one span.
+    """
+    if method.kind == "kvarn":
+        first, step = method.config.sink_tokens + method.config.tile_size, method.config.tile_size
+    else:
+        step = getattr(cache.layers[0], "residual_length", None) if method.kind == "hf" else None
+        if step is None:
+            return [(prompt_tokens, total_tokens)] if total_tokens > prompt_tokens else []
+        first = prompt_tokens + step
+    ends = range(first, total_tokens, step)
+    cuts = [prompt_tokens, *(end for end in ends if end > prompt_tokens), total_tokens]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@torch.no_grad()
+def teacher_forced_items(model, tokenizer, items: Sequence[GenerationItem], method: Method) -> Iterator[dict]:
+    """Score ``items`` against their targets without generating: the same verdict as greedy exact match, in a few
+    forward passes instead of one per token.
+
+    The prompt is prefilled in one pass, as ``generate`` does; the target (and the end of text) is then fed in the
+    chunks of `target_chunks`, so each target token attends the cache greedy decoding would have left at its
+    position had every earlier token been right. An item is right when every target token is the argmax; scoring
+    stops at the first miss. One item at a time (no padding). Yields ``id``, ``exact`` (the verdict, under the name
+    of the greedy headline check), ``first_miss`` (index into the target tokens, None when right), ``target_tokens``
+    and ``new_tokens`` (target tokens scored).
+
+    Raises:
+        ValueError: an item has no ``target`` (user JSONL tasks are scored by checkers: greedy only).
+    """
+    device = next(model.parameters()).device
+    for item in items:
+        if item.target is None:
+            raise ValueError(f"item {item.id!r} has no target: teacher-forced scoring needs the reasoning or retrieval "
+                             "suite (user task files are checked on generated text: --mode greedy)")
+        prompt = tokenizer(item.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+        target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        ids = torch.cat([prompt, torch.tensor([target], device=device)], 1)
+        start = prompt.shape[1]
+        first_miss, scored = None, 0
+        with method.applied(model):
+            cache = method.new_cache(model)
+            logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            predicted = logits[0, -1:].argmax(-1)
+            spans = target_chunks(method, cache, start, ids.shape[1] - 1)
+            for span in [None, *spans]:
+                if span is not None:
+                    predicted = model(ids[:, span[0]:span[1]], cache=cache, use_cache=True).logits[0].argmax(-1)
+                expected = ids[0, scored + start : scored + start + len(predicted)]
+                wrong = (predicted != expected).nonzero()
+                if len(wrong):
+                    first_miss = scored + int(wrong[0])
+                    scored = first_miss + 1
+                    break
+                scored += len(predicted)
+        yield {"id": item.id, "exact": first_miss is None, "first_miss": first_miss, "target_tokens": len(target),
+               "new_tokens": scored}

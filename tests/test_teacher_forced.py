@@ -1,0 +1,85 @@
+"""Teacher-forced scoring (`kvarn-mla eval --mode teacher-forced`) gives greedy exact match's verdict."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvarn_mla import reference_models
+from kvarn_mla.evaluation import reasoning
+from kvarn_mla.evaluation.methods import backend_problem, parse_method
+from kvarn_mla.evaluation.runner import check_mode, run
+from kvarn_mla.evaluation.tasks import GenerationItem, generate_items, target_chunks, teacher_forced_items
+
+SMALL_TILES = "+tile_size=64+sink_tokens=0"  # short items cross one or two tile boundaries
+METHODS = ["fp32", f"k4v2{SMALL_TILES}", f"k2v2{SMALL_TILES}", f"kivi-2{SMALL_TILES}", f"rot-2{SMALL_TILES}",
+           f"kvarnvn-2{SMALL_TILES}", "hf-fp8", "hf-quanto-2"]
+
+
+def short_items(tokenizer, task: reasoning.Task, count: int) -> list[GenerationItem]:
+    """Held-out reasoning items of 3-6 rows (60-120 target tokens), checked as the reasoning suite checks them."""
+    items = []
+    for item in reasoning.held_out_items(count, task=task, min_rows=3, max_rows=6):
+        budget = len(tokenizer(item.target, add_special_tokens=False).input_ids) + 8
+        check = {"exact": lambda text, item=item: reasoning.check(item, text)}
+        items.append(GenerationItem(f"r{item.index}", item.prompt, check, budget, item.target))
+    return items
+
+
+def test_target_chunks_end_where_decoding_changes_the_cache():
+    kvarn = parse_method("k4v2+tile_size=64+sink_tokens=32")
+    assert target_chunks(kvarn, None, 40, 240) == [(40, 96), (96, 160), (160, 224), (224, 240)]
+    assert target_chunks(kvarn, None, 10, 90) == [(10, 90)]  # the first tile completes at 96
+    assert target_chunks(kvarn, None, 96, 160) == [(96, 160)]  # a prompt ending on a boundary
+    residual = SimpleNamespace(layers=[SimpleNamespace(residual_length=128)])
+    quanto = parse_method("hf-quanto-2")
+    assert target_chunks(quanto, residual, 300, 600) == [(300, 428), (428, 556), (556, 600)]
+    fp8 = SimpleNamespace(layers=[SimpleNamespace()])  # quantizes each token on arrival: any chunking
+    assert target_chunks(parse_method("hf-fp8"), fp8, 300, 600) == [(300, 600)]
+    assert target_chunks(parse_method("fp32"), None, 300, 600) == [(300, 600)]
+    assert target_chunks(parse_method("fp32"), None, 300, 300) == []
+
+
+@pytest.mark.parametrize("name", ["mla", "gqa"])
+def test_teacher_forced_verdict_equals_greedy_exact_match(name):
+    """Per item and method, unpadded greedy generation's exact match equals the teacher-forced verdict; the sample
+    holds both right and wrong items, and a wrong item's first miss is where greedy first differs."""
+    model, tokenizer = reference_models.load(name, dtype=torch.float32)
+    items = short_items(tokenizer, reasoning.task_of(model.config), 5)
+    verdicts = []
+    for method_name in METHODS:
+        method = parse_method(method_name)
+        if method.kind == "hf" and backend_problem(method.backend):
+            continue
+        greedy = {r["id"]: r for r in generate_items(model, tokenizer, items, method, batch_size=1)}
+        forced = {r["id"]: r for r in teacher_forced_items(model, tokenizer, items, method)}
+        for item in items:
+            assert greedy[item.id]["exact"] == forced[item.id]["exact"], (method_name, item.id)
+            verdicts.append(forced[item.id]["exact"])
+            if not forced[item.id]["exact"]:  # greedy's text leaves the target at the first miss
+                target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                made = tokenizer(greedy[item.id]["text"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                miss = forced[item.id]["first_miss"]
+                assert made[:miss] == target[:miss] and made[miss : miss + 1] != target[miss : miss + 1]
+    assert any(verdicts) and not all(verdicts), verdicts  # the sample separates methods
+
+
+def test_teacher_forced_run_records_and_refusals(tmp_path):
+    model, tokenizer = reference_models.load("mla", dtype=torch.float32)
+    items = short_items(tokenizer, reasoning.task_of(model.config), 2)
+    methods = [parse_method("fp32"), parse_method(f"k4v2{SMALL_TILES}")]
+    summary = run(model, tokenizer, methods, "reasoning", tmp_path / "tf.json", items=items, mode="teacher-forced")
+    row = summary["methods"]["fp32"]
+    assert row["n"] == 2 and set(row) == {"n", "exact", "mean_new_tokens", "bytes_per_token_4k"}
+    assert summary["run"]["settings"]["mode"] == "teacher-forced"
+    with pytest.raises(ValueError, match="another configuration.*mode"):  # greedy records never mix with these
+        run(model, tokenizer, methods, "reasoning", tmp_path / "tf.json", items=items, mode="greedy")
+    with pytest.raises(ValueError, match="suite 'jsonl'"):
+        check_mode("teacher-forced", "jsonl", {"do_sample": False})
+    with pytest.raises(ValueError, match="with sampling"):
+        check_mode("teacher-forced", "reasoning", {"do_sample": True})
+    with pytest.raises(ValueError, match="unknown mode 'beam'"):
+        check_mode("beam", "reasoning", {"do_sample": False})
+    no_target = [GenerationItem("u", "1+1=", {"exact": lambda text: text == "2"}, 4)]
+    with pytest.raises(ValueError, match="has no target"):
+        list(teacher_forced_items(model, tokenizer, no_target, methods[0]))
