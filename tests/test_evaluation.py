@@ -346,7 +346,8 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     assert set(summary["methods"]) == {"fp32", "k4v2", "hf-fp8"}  # the reference is labelled by --dtype float32
     assert summary["methods"]["k4v2"]["last-number"]["ci95"][1] <= 1
     assert summary["methods"]["fp32"]["bytes_per_token_4k"] > summary["methods"]["k4v2"]["bytes_per_token_4k"]
-    assert summary["methods"]["hf-fp8"]["bytes_per_token_4k"] == summary["methods"]["fp32"]["bytes_per_token_4k"] / 2
+    fp8, fp32 = summary["methods"]["hf-fp8"]["bytes_per_token_4k"], summary["methods"]["fp32"]["bytes_per_token_4k"]
+    assert fp8 == pytest.approx(fp32 / 2, rel=1e-4) and fp8 > fp32 / 2  # one byte an element, plus its scales
     assert summary["run"]["suite"] == "jsonl" and summary["run"]["model"]["name"] == str(tmp_path / "model")
     assert main(["eval", "--model", "nowhere/model", "--suite", "reasoning", "--out", str(tmp_path / "x.json")]) == 2
     assert "cannot load model 'nowhere/model' offline" in capsys.readouterr().err
@@ -393,3 +394,46 @@ def test_sweep_method_lists_follow_the_bit_selection():
     assert select(names, ("hf-",)) == ["hf-fp8", "hf-quanto-2"]  # one process for transformers' caches ...
     assert select(names, ("kvarn", "kivi", "rot")) == names[:6]  # ... one for ours
     assert select(names, None) == names
+
+
+def _held_bytes(obj, seen: set) -> int:
+    """Bytes of the tensors in ``obj`` (tensor subclasses such as quanto's packed codes by their inner tensors;
+    each storage once)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            return sum(_held_bytes(getattr(obj, name), seen) for name in obj.__tensor_flatten__()[0])
+        if obj.numel() == 0 or obj.data_ptr() in seen:
+            return 0
+        seen.add(obj.data_ptr())
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_held_bytes(value, seen) for value in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_held_bytes(value, seen) for value in obj)
+    return 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("method", ["hf-quanto-2", "hf-quanto-4", "hf-hqq-2", "hf-fp8"])
+def test_hf_cache_bytes_match_what_the_cache_holds(model_type, method):
+    """`hf_cache_nbytes` counts transformers' quantized caches (codes, scales, zero points, residual window)
+    exactly: 200 prefilled tokens, then 50 decoded (a residual of 50; the flush comes at 128). The tiny MLA
+    latent and RoPE key are 64 wide, one quantization group, as in real models (quanto pads narrower rows)."""
+    from transformers.cache_utils import QuantizedCache
+
+    from kvarn_mla.evaluation.methods import backend_problem, hf_cache_nbytes
+
+    parsed = parse_method(method)
+    if backend_problem(parsed.backend):
+        pytest.skip(backend_problem(parsed.backend))
+    model = build_model(model_type, **({"kv_lora_rank": 64, "qk_rope_head_dim": 64} if model_type != "llama" else {}))
+    cache = QuantizedCache(backend=parsed.backend, config=model.config, **parsed.cache_kwargs)
+    ids = torch.randint(0, model.config.vocab_size, (1, 250))
+    with torch.no_grad():
+        model(ids[:, :200], cache=cache, use_cache=True)
+        for t in range(200, 250):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    seen: set = set()
+    held = sum(_held_bytes([layer._quantized_keys, layer._quantized_values, layer.keys, layer.values], seen)
+               for layer in cache.layers)
+    assert held == hf_cache_nbytes(model.config, parsed.backend, parsed.nbits, 250, element_size=4, residual=50)

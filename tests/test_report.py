@@ -55,6 +55,44 @@ def test_report_builds_every_chart(results, tmp_path):
         assert f"results/accuracy/{source}" in text  # numbers name their source
     html = (out / "report.html").read_text()
     assert html.count("<img") == text.count("![") and "<table>" in html
+    assert html.count("<table>") == text.count("\n|---")  # every Markdown table rendered, none left as text
+    header = next(line for line in text.splitlines() if line.startswith("| model | family |"))
+    assert "| hf-quanto-4 | hf-quanto-2 |" in header  # transformers' quantized caches are counted
+
+
+def test_report_names_its_sources_by_relative_paths(results, tmp_path, monkeypatch):
+    import kvarn_mla.report as report
+
+    monkeypatch.chdir(results.parent)
+    assert main(["report", "--out", str(tmp_path / "out"), "--results", str(results)]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"from `{results.name}`" in text and str(results.parent) not in text
+    checkout = Path(__file__).resolve().parents[1]
+    assert report.display_path(checkout / "benchmarks" / "results") == "benchmarks/results"
+    monkeypatch.chdir(tmp_path)
+    assert report.display_path(checkout / "benchmarks" / "results") == "benchmarks/results"  # wherever it runs
+
+
+def test_pareto_labels_do_not_overlap():
+    """A cluster of points (as the MLA methods make) gets one label per coinciding group, none overlapping."""
+    import matplotlib.pyplot as plt
+
+    from kvarn_mla.report.charts import merge_close_points, place_labels
+
+    points = [("MLA", f"method-{i}", 1000 * 1.03**i, 0.9 + 0.01 * (i % 3)) for i in range(8)]
+    points += [("MLA", "twin", 1001, 0.901), ("GQA", "other family", 1000, 0.9)]
+    merged = merge_close_points(points)
+    assert ("method-0, twin", 1000, 0.9) in merged and ("other family", 1000, 0.9) in merged  # never across families
+    assert len(merged) == 9
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.scatter([p[2] for p in points], [p[3] for p in points])
+    axis.set_xscale("log")
+    figure.canvas.draw()
+    assert place_labels(figure, axis, merged) == 0
+    boxes = [t.get_window_extent(figure.canvas.get_renderer()) for t in axis.texts]
+    assert len(boxes) == len(merged)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    plt.close(figure)
 
 
 def test_report_bytes_match_the_planner(results, tmp_path):
@@ -109,3 +147,23 @@ def test_committed_results_still_read():
     assert "| MLA | bf16 |" in table and "| GQA | kvarn-2 |" in table
     rows = json.loads((root / "benchmarks" / "results" / "accuracy" / "mla-reasoning.json").read_text())["methods"]
     assert report.reference_row(rows) is rows["bf16"]
+
+
+def test_committed_hf_rows_get_their_bytes():
+    """Summaries written before transformers' quanto/HQQ caches were counted (None) get them from the bundled
+    model's config; recorded values are kept."""
+    from transformers import AutoConfig
+
+    import kvarn_mla.report as report
+    from kvarn_mla import reference_models
+    from kvarn_mla.evaluation.methods import hf_cache_nbytes
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy"
+    rows = json.loads((root / "gqa-reasoning.json").read_text())["methods"]
+    assert rows["hf-quanto-2"]["bytes_per_token_4k"] is None
+    config = AutoConfig.from_pretrained(reference_models.path("gqa"))
+    quanto = report.method_bytes("gqa", "hf-quanto-2", rows["hf-quanto-2"])
+    assert quanto == hf_cache_nbytes(config, "quanto", 2, 4096) / 4096
+    quanto_4 = report.method_bytes("gqa", "hf-quanto-4", rows["hf-quanto-4"])
+    assert quanto < quanto_4 < rows["hf-fp8"]["bytes_per_token_4k"]
+    assert report.method_bytes("gqa", "kvarn-2", rows["kvarn-2"]) == rows["kvarn-2"]["bytes_per_token_4k"]

@@ -26,14 +26,16 @@ from transformers.cache_utils import QuantizedCache
 from transformers.utils import is_hqq_available, is_optimum_quanto_available, is_quanto_greater
 
 from ..cache import KVarNCache
-from ..plan import expected_nbytes
 from ..config import PRESETS, QUANTIZERS, UNQUANTIZED, KVarNConfig, field_names, resolve_config
 from ..patch import patch, unpatch
+from ..plan import expected_nbytes
 
 REFERENCE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # model dtype -> reference label
 REFERENCE_NAMES = ("reference", *REFERENCE_LABELS.values())  # method names that ask for the reference
 REFERENCE = "reference"  # the reference before it knows its model's dtype (`with_reference_label` names it)
 HF_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4), "fp8": (None,)}
+HF_GROUP_SIZE = 64  # transformers' QuantizedCache defaults (q_group_size, residual_length), which the methods keep
+HF_RESIDUAL_LENGTH = 128
 BASELINES_HINT = "pip install \"kvarn-mla[baselines]\""
 
 
@@ -87,16 +89,46 @@ class Method:
         reference, sink and tail), as a bf16 deployment holds them, whatever dtype the evaluation ran in; None if
         unknown.
 
-        transformers' fp8 layer holds one byte per element (and one scale per tensor); the quanto and HQQ layers
-        (group-wise codes, scales and zero points, a full-precision residual window) are not counted: None.
+        transformers' quantized caches are counted by `hf_cache_nbytes`.
         """
         if self.kind == "kvarn":
             return expected_nbytes(model_config, self.config, tokens) / tokens
         if self.kind == "reference":
             return expected_nbytes(model_config, UNQUANTIZED, tokens) / tokens
-        if self.backend == "fp8":
-            return expected_nbytes(model_config, UNQUANTIZED, tokens) / tokens / 2
-        return None
+        return hf_cache_nbytes(model_config, self.backend, self.nbits, tokens) / tokens
+
+
+def stock_cache_elements(model_config) -> int:
+    """Elements per token of one layer's keys plus values as transformers' own caches hold them on the unpatched
+    model: what its attention passes to ``cache.update``, the same streams a `KVarNCache` stores (dense: kv heads ×
+    head_dim, twice; MLA: the latent and the RoPE key, which the model's attention expands per head on every call)."""
+    from ..adapters import layer_specs
+
+    return sum(spec.num_heads * spec.dim for spec in layer_specs(model_config, UNQUANTIZED))
+
+
+def hf_cache_nbytes(model_config, backend: str, nbits: int | None, tokens: int, element_size: int = 2,
+                    residual: float | None = None) -> float:
+    """Bytes of transformers' quantized cache (``backend`` quanto, hqq or fp8) over all layers after ``tokens``
+    tokens, batch 1, in a 16-bit deployment (``element_size``-byte scales, zero points and residual window).
+
+    * quanto / hqq: ``nbits``-bit codes, one scale and one zero point per group of `HF_GROUP_SIZE` elements, and a
+      full-precision residual window that fills to `HF_RESIDUAL_LENGTH` tokens and is then quantized with the rest:
+      counted at its mean over a decode, ``(residual_length - 1) / 2`` tokens (its size at a given length depends on
+      where the prefill ended), unless ``residual`` gives it.
+    * fp8: one byte per element and one float32 scale per tensor.
+
+    Exact when a stream's width is a multiple of the group size (every real model's: 128-wide heads, a 512 latent,
+    a 64 RoPE key); quanto pads narrower rows to a group.
+    """
+    elements = stock_cache_elements(model_config)
+    layers = model_config.get_text_config(decoder=True).num_hidden_layers
+    if backend == "fp8":
+        return layers * (elements * tokens + 2 * 4)
+    residual = min(tokens, (HF_RESIDUAL_LENGTH - 1) / 2 if residual is None else residual)
+    quantized = tokens - residual
+    per_element = nbits / 8 + 2 * element_size / HF_GROUP_SIZE
+    return layers * elements * (quantized * per_element + residual * element_size)
 
 
 def backend_problem(backend: str) -> str | None:
@@ -167,8 +199,8 @@ def parse_method(name: str) -> Method:
         parts = name.split("-")
         backend = parts[1] if len(parts) > 1 else ""
         if backend not in HF_BACKENDS:
-            raise ValueError(f"unknown transformers cache backend in {name!r}; allowed: "
-                             f"{[f'hf-{b}' + ('' if n is None else f'-{n}') for b, ns in HF_BACKENDS.items() for n in ns]}")
+            allowed = [f"hf-{b}" + ("" if n is None else f"-{n}") for b, ns in HF_BACKENDS.items() for n in ns]
+            raise ValueError(f"unknown transformers cache backend in {name!r}; allowed: {allowed}")
         nbits = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
         if nbits not in HF_BACKENDS[backend]:
             raise ValueError(f"{name!r}: the {backend} backend takes bits {HF_BACKENDS[backend]}, got {nbits}")

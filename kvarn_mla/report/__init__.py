@@ -8,7 +8,6 @@ and a short discussion per family generated from those numbers.
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from pathlib import Path
@@ -17,7 +16,8 @@ from .charts import bar_chart, curve_chart, pareto_chart, speed_chart
 
 CAPACITY_BUDGET_GIB = 64  # cache memory the capacity column fills
 CAPACITY_CONTEXT = 32768  # context at which bytes per token are counted
-BYTES_METHODS = ["bf16", "hf-fp8", "kivi-k2v2", "k4v2", "k2v2", "k4v2-r8"]
+BYTES_METHODS = ["bf16", "hf-fp8", "hf-quanto-4", "hf-quanto-2", "kivi-k2v2", "k4v2", "k2v2", "k4v2-r8"]
+REPORT_CONTEXT = 4096  # context at which the accuracy tables count bytes per token
 FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 # How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
 # results written before that call it "bf16" whatever the dtype.
@@ -55,16 +55,20 @@ def reference_row(rows: dict) -> dict:
 def bytes_section(out: Path) -> tuple[list[str], dict]:
     """Bytes per token and tokens per 64 GiB of cache, bundled configs × methods; table, chart, numbers."""
     from ..archs import ARCHITECTURES, load_config
-    from ..plan import family_label
     from ..evaluation.methods import parse_method
+    from ..plan import family_label
 
     rows, numbers = [], {}
     header = "| model | family | " + " | ".join(BYTES_METHODS) + " |"
-    lines = [f"## 1. Bytes per token and capacity\n",
+    lines = ["## 1. Bytes per token and capacity\n",
              f"KV-cache bytes per token over all layers at {CAPACITY_CONTEXT:,} tokens (sink, tail and scales "
-             f"included, exactly as `KVarNCache.nbytes()` counts them; `hf-fp8` is one byte per element), and "
-             f"in parentheses the tokens that fit in {CAPACITY_BUDGET_GIB} GiB of cache. Source: the published "
-             "configs bundled in `kvarn_mla/archs.py`.\n", header, "|---|---|" + "---|" * len(BYTES_METHODS)]
+             f"included, exactly as `KVarNCache.nbytes()` counts them), and in parentheses the tokens that fit in "
+             f"{CAPACITY_BUDGET_GIB} GiB of cache. transformers' own quantized caches (`hf-*`, on the unpatched model) "
+             "hold the same streams (MLA: the latent and the RoPE key): `hf-fp8` one byte per element; "
+             "`hf-quanto-B` B-bit codes with a 16-bit scale and zero point per 64 elements and a 16-bit residual "
+             "window of up to 127 tokens, counted at its mean (HQQ holds the same bytes at the same bits; "
+             "`evaluation.methods.hf_cache_nbytes`). Source: the published configs bundled in "
+             "`kvarn_mla/archs.py`.\n", header, "|---|---|" + "---|" * len(BYTES_METHODS)]
     for name in ARCHITECTURES:
         config = load_config(name)
         family = family_label(config)
@@ -103,8 +107,8 @@ def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Pa
             curve_chart(curves, f"{family} reference model, {suite}: KL at {bits} bits", out / charts[-1])
     lines = [f"### {family}: {suite} (`results/accuracy/{model}-{suite}.json`)\n",
              f"Text: {ACCUMULATION_TEXTS[suite]}.\n",
-             "| method | bits | KL last chunk | KL last chunk, static | KL mean | top-1 mean | greedy: first divergence "
-             "| greedy: agreement | bytes/token (4K, all layers) |",
+             "| method | bits | KL last chunk | KL last chunk, static | KL mean | top-1 mean "
+             "| greedy: first divergence | greedy: agreement | bytes/token (4K, all layers) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for method, row in rows.items():
         if "kl_last" not in row:
@@ -113,8 +117,24 @@ def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Pa
         lines.append(f"| {method} | {_bits_class(method)} | {row['kl_last']:.4f} | "
                      f"{'-' if static is None else f'{static:.4f}'} | {row['kl_mean']:.4f} | "
                      f"{row['top1_mean']:.3f} | {row.get('first_divergence', '-')} | "
-                     f"{row.get('agreement', float('nan')):.3f} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
+                     f"{row.get('agreement', float('nan')):.3f} | {_fmt_bytes(method_bytes(model, method, row))} |")
     return lines + [""] + [f"![{chart[:-4]}]({chart})\n" for chart in charts]
+
+
+def method_bytes(model: str, method: str, row: dict) -> float | None:
+    """Bytes per token at `REPORT_CONTEXT` of ``method`` in a summary row of reference model ``model``: the value
+    the run recorded, or for rows written before transformers' quanto/HQQ caches were counted (None), counted now
+    from the method's name and the bundled model's config."""
+    recorded = row.get("bytes_per_token_4k")
+    if recorded is not None or not method.startswith("hf-"):
+        return recorded
+    from transformers import AutoConfig
+
+    from .. import reference_models
+    from ..evaluation.methods import parse_method
+
+    config = AutoConfig.from_pretrained(reference_models.path(model))
+    return parse_method(method).bytes_per_token(config, REPORT_CONTEXT)
 
 
 def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], list[tuple[str, str, float, float]]]:
@@ -127,11 +147,12 @@ def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], li
         if exact is None:
             continue
         answer = row.get("answer", {}).get("accuracy")
+        per_token = method_bytes(model, method, row)
         lines.append(f"| {method} | {exact['accuracy']:.1%} ({exact['correct']}/{row['n']}) | "
                      f"{exact['ci95'][0]:.1%}–{exact['ci95'][1]:.1%} | "
-                     f"{'-' if answer is None else f'{answer:.1%}'} | {_fmt_bytes(row.get('bytes_per_token_4k'))} |")
-        if row.get("bytes_per_token_4k"):
-            points.append((family, method, row["bytes_per_token_4k"], exact["accuracy"]))
+                     f"{'-' if answer is None else f'{answer:.1%}'} | {_fmt_bytes(per_token)} |")
+        if per_token:
+            points.append((family, method, per_token, exact["accuracy"]))
     return lines + [""], points
 
 
@@ -141,7 +162,8 @@ def _worst_lines(family: str, model: str, rows: dict) -> list[str]:
              "KL with every cached vector quantized, and the share of it removed by restoring the 1/5/10% of vectors "
              "with the largest error (with the share of the squared error they hold); magnitude share: the part of "
              "the error along the exact vector (scale) rather than across it (direction).\n",
-             "| method | KL | 1%: KL explained (error share) | 5% | 10% | magnitude share |", "|---|---|---|---|---|---|"]
+             "| method | KL | 1%: KL explained (error share) | 5% | 10% | magnitude share |",
+             "|---|---|---|---|---|---|"]
     for method, row in rows.items():
         if "fractions" not in row:
             continue
@@ -216,7 +238,7 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
                      f"{r['decode_speedup']:.2f}x | {r.get('attention_speedup', float('nan')):.2f}x |")
     gpu = results / "bench_decode_gpu.csv"
     lines.append("\n![decode speed](decode_speed.png)\n")
-    lines.append(f"GPU results: `results/bench_decode_gpu.csv`.\n" if gpu.exists()
+    lines.append("GPU results: `results/bench_decode_gpu.csv`.\n" if gpu.exists()
                  else "GPU results: none in `results/` (`benchmarks/gpu_check.sh` measures them on a CUDA machine).\n")
     return lines, {"rows": rows}
 
@@ -295,7 +317,7 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
     accuracy_lines, accuracy = accuracy_section(results, out)
     speed_lines, speed = speed_section(results, out)
     body = ["# kvarn_mla: MHA vs GQA vs MLA under KV-cache quantization\n",
-            f"Generated by `kvarn-mla report` from `{results}`.\n",
+            f"Generated by `kvarn-mla report` from `{display_path(results)}`.\n",
             *byte_lines, *accuracy_lines, *speed_lines, *discussion(byte_numbers, accuracy, speed)]
     text = "\n".join(body)
     (out / "report.md").write_text(text)
@@ -303,36 +325,21 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
     return out / "report.md"
 
 
-def markdown_to_html(text: str) -> str:
-    """The small subset of Markdown the report uses (headings, tables, images, bullets, paragraphs)."""
-    def inline(s: str) -> str:
-        s = html.escape(s)
-        s = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", r'<img alt="\1" src="\2">', s)
-        return re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
+def display_path(path: Path) -> str:
+    """``path`` relative to the checkout the package runs from (``benchmarks/results``) when it lies inside it, else
+    relative to the working directory when it lies there, else as given: a committed report never names a directory
+    of the machine that built it."""
+    path = Path(path).resolve()
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix() or "."
+    return str(path)
 
-    out, table, bullets = ["<!doctype html><meta charset='utf-8'><title>kvarn_mla report</title><body>"], [], []
-    def flush():
-        if table:
-            rows = [r for r in table if not re.fullmatch(r"\|[-|\s]+\|", r)]
-            out.append("<table>" + "".join(
-                "<tr>" + "".join(f"<{'th' if i == 0 else 'td'}>{inline(c.strip())}</{'th' if i == 0 else 'td'}>"
-                                 for c in row.strip("|").split("|")) + "</tr>" for i, row in enumerate(rows)) + "</table>")
-            table.clear()
-        if bullets:
-            out.append("<ul>" + "".join(f"<li>{inline(b)}</li>" for b in bullets) + "</ul>")
-            bullets.clear()
-    for line in text.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        if line.startswith("- "):
-            bullets.append(line[2:])
-            continue
-        flush()
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            out.append(f"<h{level}>{inline(line.lstrip('#').strip())}</h{level}>")
-        elif line.strip():
-            out.append(f"<p>{inline(line)}</p>")
-    flush()
-    return "\n".join(out + ["</body>"])
+
+def markdown_to_html(text: str) -> str:
+    """The report's Markdown as a standalone HTML page (Python-Markdown with its tables extension)."""
+    import markdown
+
+    body = markdown.markdown(text, extensions=["tables"], output_format="html")
+    return ("<!doctype html>\n<html><head><meta charset='utf-8'><title>kvarn_mla report</title></head><body>\n"
+            f"{body}\n</body></html>\n")

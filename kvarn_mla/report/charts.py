@@ -48,22 +48,66 @@ def curve_chart(curves: dict[str, tuple[list[float], list[float] | None]], title
     _save(figure, path)
 
 
+def merge_close_points(points: list[tuple[str, str, float, float]], x_tolerance: float = 0.02,
+                       y_tolerance: float = 0.005) -> list[tuple[str, float, float]]:
+    """``(label, bytes, accuracy)`` per group of one family's points that would sit on top of each other (bytes
+    within ``x_tolerance`` relative, accuracy within ``y_tolerance``): one label naming them all."""
+    groups: list[list[tuple[str, str, float, float]]] = []
+    for point in sorted(points, key=lambda p: (p[0], p[2], p[3])):
+        for group in groups:
+            family, _, x, y = group[0]
+            if family == point[0] and abs(point[2] - x) <= x_tolerance * x and abs(point[3] - y) <= y_tolerance:
+                group.append(point)
+                break
+        else:
+            groups.append([point])
+    return [(", ".join(p[1] for p in group), group[0][2], group[0][3]) for group in groups]
+
+
+LABEL_OFFSETS = [(4, 2), (4, -9), (-4, 2), (-4, -9), (4, 12), (4, -19), (-4, 12), (-4, -19), (4, 22), (4, -29),
+                 (-4, 22), (-4, -29), (4, 32), (4, -39)]  # points, tried in order
+
+
+def place_labels(figure, axis, labels: list[tuple[str, float, float]], fontsize: float = 6) -> int:
+    """Annotate each ``(text, x, y)`` at the first offset of `LABEL_OFFSETS` where it overlaps no label placed
+    before it (a leader line where it had to move); returns how many could only overlap."""
+    renderer = figure.canvas.get_renderer()
+    placed, overlapping = [], 0
+    for text, x, y in labels:
+        for index, (dx, dy) in enumerate(LABEL_OFFSETS):
+            note = axis.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                                 ha="left" if dx > 0 else "right", va="bottom",
+                                 arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if index > 1 else None)
+            box = note.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            if index < len(LABEL_OFFSETS) - 1:
+                note.remove()
+        else:
+            overlapping += 1
+        placed.append(box)
+    return overlapping
+
+
 def pareto_chart(points: list[tuple[str, str, float, float]], path: Path) -> None:
-    """Reasoning accuracy vs bytes per token, one marker style per family; points are (family, method, B, acc)."""
-    figure, axis = plt.subplots(figsize=(8, 5))
+    """Reasoning accuracy vs bytes per token, one marker style per family; points are (family, method, B, acc).
+    Points that coincide share one label; labels are moved until they do not overlap."""
+    figure, axis = plt.subplots(figsize=(9, 6))
     markers = {"MHA": "o", "GQA": "s", "MLA": "^"}
     for family in sorted({p[0] for p in points}):
         mine = [p for p in points if p[0] == family]
         axis.scatter([p[2] for p in mine], [100 * p[3] for p in mine], marker=markers.get(family, "x"),
                      label=family, s=30)
-        for _, method, x, y in mine:
-            axis.annotate(method, (x, 100 * y), fontsize=6, xytext=(3, 2), textcoords="offset points")
     axis.set_xscale("log")
     axis.set_xlabel("KV bytes per token at 4K (all layers)")
     axis.set_ylabel("reasoning exact match (%)")
     axis.set_title("Reasoning accuracy vs cache bytes")
     axis.legend()
-    _save(figure, path)
+    figure.tight_layout()
+    figure.canvas.draw()  # fixes the layout, so label boxes are measured where they will be drawn
+    place_labels(figure, axis, [(label, x, 100 * y) for label, x, y in merge_close_points(points)])
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def speed_chart(rows: list[dict], path: Path) -> None:
