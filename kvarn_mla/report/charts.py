@@ -64,27 +64,34 @@ def merge_close_points(points: list[tuple[str, str, float, float]], x_tolerance:
     return [(", ".join(p[1] for p in group), group[0][2], group[0][3]) for group in groups]
 
 
-LABEL_OFFSETS = [(4, 2), (4, -9), (-4, 2), (-4, -9), (4, 12), (4, -19), (-4, 12), (-4, -19), (4, 22), (4, -29),
-                 (-4, 22), (-4, -29), (4, 32), (4, -39)]  # points, tried in order
+# Label offsets in points, tried in order: beside the point first, then further up and down on either side.
+LABEL_OFFSETS = [(dx, sign * (2 + 10 * step) - (7 if sign < 0 else 0)) for step in range(20) for dx in (4, -4)
+                 for sign in (1, -1)]
 
 
 def place_labels(figure, axis, labels: list[tuple[str, float, float]], fontsize: float = 6) -> int:
-    """Annotate each ``(text, x, y)`` at the first offset of `LABEL_OFFSETS` where it overlaps no label placed
-    before it (a leader line where it had to move); returns how many could only overlap."""
+    """Annotate each ``(text, x, y)`` at the first offset of `LABEL_OFFSETS` where it overlaps no marker and no
+    label placed before it (a leader line where it had to move far); returns how many could only overlap."""
+    from matplotlib.transforms import Bbox
+
     renderer = figure.canvas.get_renderer()
-    placed, overlapping = [], 0
+    markers = [axis.transData.transform((x, y)) for _, x, y in labels]
+    placed, overlapping = [Bbox.from_bounds(px - 3, py - 3, 6, 6) for px, py in markers], 0
     for text, x, y in labels:
         for index, (dx, dy) in enumerate(LABEL_OFFSETS):
-            note = axis.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
-                                 ha="left" if dx > 0 else "right", va="bottom",
-                                 arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if index > 1 else None)
-            box = note.get_window_extent(renderer)
+            style = dict(xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                         ha="left" if dx > 0 else "right", va="bottom")
+            note = axis.annotate(text, (x, y), **style)
+            box = note.get_window_extent(renderer)  # the text alone (with a leader line the box would reach the point)
             if not any(box.overlaps(other) for other in placed):
                 break
-            if index < len(LABEL_OFFSETS) - 1:
-                note.remove()
+            note.remove()
         else:
             overlapping += 1
+            note = axis.annotate(text, (x, y), **style)
+        if index > 3:
+            note.remove()
+            axis.annotate(text, (x, y), arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5"), **style)
         placed.append(box)
     return overlapping
 
@@ -92,7 +99,7 @@ def place_labels(figure, axis, labels: list[tuple[str, float, float]], fontsize:
 def pareto_chart(points: list[tuple[str, str, float, float]], path: Path) -> None:
     """Reasoning accuracy vs bytes per token, one marker style per family; points are (family, method, B, acc).
     Points that coincide share one label; labels are moved until they do not overlap."""
-    figure, axis = plt.subplots(figsize=(9, 6))
+    figure, axis = plt.subplots(figsize=(12, 8))
     markers = {"MHA": "o", "GQA": "s", "MLA": "^"}
     for family in sorted({p[0] for p in points}):
         mine = [p for p in points if p[0] == family]
