@@ -437,3 +437,30 @@ def test_hf_cache_bytes_match_what_the_cache_holds(model_type, method):
     held = sum(_held_bytes([layer._quantized_keys, layer._quantized_values, layer.keys, layer.values], seen)
                for layer in cache.layers)
     assert held == hf_cache_nbytes(model.config, parsed.backend, parsed.nbits, 250, element_size=4, residual=50)
+
+
+def test_mcnemar_exact_by_hand():
+    from kvarn_mla.evaluation.checkers import mcnemar_exact
+
+    assert mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(3, 3) == 1.0
+    assert mcnemar_exact(5, 0) == mcnemar_exact(0, 5) == 2 / 32  # all five discordant items one way
+    assert mcnemar_exact(10, 2) == 2 * (1 + 12 + 66) / 4096
+
+
+def test_paired_rows_pair_items_at_each_bit_width(tmp_path):
+    from kvarn_mla.evaluation.paired import bits_of, load_verdicts, paired_rows
+
+    assert [bits_of(m) for m in ("kvarn-3", "rot-2+rope_bits=8", "hf-quanto-4", "k4v2", "fp32", "hf-fp8")] == \
+        [3, 2, 4, None, None, None]
+    outcomes = {"kvarn-4": [1, 1, 1, 0, 0, 1], "rot-4": [1, 0, 0, 0, 1, 1], "kivi-4": [0, 0, 0, 0, 0, 1],
+                "fp32": [1, 1, 1, 1, 1, 1]}
+    records = tmp_path / "r.jsonl"
+    records.write_text("".join(json.dumps({"method": m, "key": f"i{k}", "exact": bool(v), "text": "x"}) + "\n"
+                               for m, values in outcomes.items() for k, v in enumerate(values)))
+    rows = {row.method: row for row in paired_rows(load_verdicts(records))}
+    assert rows["fp32"].comparisons == () and rows["fp32"].correct == 6
+    kvarn_vs_rot = rows["kvarn-4"].comparisons
+    assert [(c.partner, c.only_method, c.only_partner, c.difference) for c in kvarn_vs_rot] == [("rot-4", 2, 1, 1)]
+    kivi = {c.partner: c for c in rows["kivi-4"].comparisons}
+    assert (kivi["kvarn-4"].only_method, kivi["kvarn-4"].only_partner, kivi["kvarn-4"].p_value) == (0, 3, 0.25)
+    assert rows["kivi-4"].ci95 == pytest.approx((0.0301, 0.5635), abs=1e-4)

@@ -7,6 +7,7 @@ A task file has one JSON object per line: ``{"prompt": str, "answer": str}``, op
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,3 +134,13 @@ def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float,
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * ((p * (1 - p) / total + z * z / (4 * total * total)) ** 0.5) / (1 + z * z / total)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided exact McNemar p-value of paired right/wrong outcomes: the discordant items (right with the first
+    method only, right with the second only) against a fair coin, ``min(1, 2 P[X <= min])`` with
+    ``X ~ Binomial(only_first + only_second, 1/2)``; 1.0 when no item is discordant."""
+    discordant = only_first + only_second
+    smaller = min(only_first, only_second)
+    tail = sum(math.comb(discordant, k) for k in range(smaller + 1)) / 2**discordant
+    return min(1.0, 2 * tail)

@@ -156,6 +156,32 @@ def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], li
     return lines + [""], points
 
 
+def _paired_lines(family: str, model: str, suite: str, records: Path) -> list[str]:
+    """Paired statistics of a generation suite from its records: each method against KVarN and rotation-only at
+    its bit width (`evaluation.paired`)."""
+    from ..evaluation.paired import PARTNERS, load_verdicts, paired_rows
+
+    rows = paired_rows(load_verdicts(records))
+    lines = [f"#### {family}: {suite}, paired (`results/accuracy/{records.name}`)\n",
+             "Items right with the method minus items right with the partner at the same bit width, on the same "
+             "items, and the exact McNemar p-value of the items where they disagree (p < 0.05 in bold).\n",
+             "| method | exact match (95% CI) | " + " | ".join(f"vs {p}-B: items (p)" for p in PARTNERS) + " |",
+             "|---|---|" + "---|" * len(PARTNERS)]
+    for row in rows:
+        cells = []
+        for family_name in PARTNERS:
+            found = [c for c in row.comparisons if c.partner.startswith(f"{family_name}-")]
+            if not found:
+                cells.append("-")
+                continue
+            c = found[0]
+            text = f"{c.difference:+d} (p = {c.p_value:.2g})"
+            cells.append(f"**{text}**" if c.p_value < 0.05 else text)
+        lines.append(f"| {row.method} | {row.accuracy:.1%} ({row.correct}/{row.n}; {row.ci95[0]:.1%}–"
+                     f"{row.ci95[1]:.1%}) | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _worst_lines(family: str, model: str, rows: dict) -> list[str]:
     """The worst-vectors diagnostic: how much of the KL the largest-error vectors explain."""
     lines = [f"### {family}: worst vectors (`results/accuracy/{model}-worst-vectors.json`)\n",
@@ -201,6 +227,9 @@ def accuracy_section(results: Path, out: Path) -> tuple[list[str], dict]:
             table, model_points = _reasoning_lines(family, model, found["reasoning"])
             lines += table
             points += model_points
+            records = accuracy / f"{model}-reasoning.jsonl"
+            if records.is_file():
+                lines += _paired_lines(family, model, "reasoning", records)
         if "worst-vectors" in found:
             lines += _worst_lines(family, model, found["worst-vectors"])
     if points:
