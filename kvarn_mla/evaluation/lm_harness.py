@@ -31,6 +31,7 @@ from ..cache import KVarNCache
 from ..patch import STATE_ATTR, is_patched, patch
 from .methods import parse_method
 from .runner import load_model
+from .tasks import chunk_spans
 
 INSTALL_HINT = 'pip install ".[lm-eval]"'
 
@@ -52,11 +53,7 @@ def require_lm_eval():
 def tile_chunks(length: int, sink_tokens: int, tile_size: int) -> list[tuple[int, int]]:
     """``(start, end)`` spans covering ``range(length)`` that end where decoding completes a tile: the first at
     ``sink_tokens + tile_size``, then every ``tile_size`` tokens."""
-    spans, start, end = [], 0, sink_tokens + tile_size
-    while start < length:
-        spans.append((start, min(end, length)))
-        start, end = end, end + tile_size
-    return spans
+    return chunk_spans(0, length, sink_tokens + tile_size, tile_size)
 
 
 class CacheStats:

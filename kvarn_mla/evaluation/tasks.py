@@ -146,14 +146,17 @@ def target_chunks(method: Method, cache, prompt_tokens: int, total_tokens: int) 
       token as it arrives, and the unquantized cache never changes a token: one span.
     """
     if method.kind == "kvarn":
-        first, step = method.config.sink_tokens + method.config.tile_size, method.config.tile_size
-    else:
-        step = getattr(cache.layers[0], "residual_length", None) if method.kind == "hf" else None
-        if step is None:
-            return [(prompt_tokens, total_tokens)] if total_tokens > prompt_tokens else []
-        first = prompt_tokens + step
-    ends = range(first, total_tokens, step)
-    cuts = [prompt_tokens, *(end for end in ends if end > prompt_tokens), total_tokens]
+        return chunk_spans(prompt_tokens, total_tokens, method.config.sink_tokens + method.config.tile_size,
+                           method.config.tile_size)
+    step = getattr(cache.layers[0], "residual_length", None) if method.kind == "hf" else None
+    if step is None:
+        return [(prompt_tokens, total_tokens)] if total_tokens > prompt_tokens else []
+    return chunk_spans(prompt_tokens, total_tokens, prompt_tokens + step, step)
+
+
+def chunk_spans(start: int, end: int, first: int, step: int) -> list[tuple[int, int]]:
+    """``(a, b)`` spans covering ``range(start, end)``, cut at ``first, first + step, ...``."""
+    cuts = [start, *(cut for cut in range(first, end, step) if cut > start), end]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
