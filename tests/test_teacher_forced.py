@@ -9,7 +9,14 @@ from kvarn_mla import reference_models
 from kvarn_mla.evaluation import reasoning
 from kvarn_mla.evaluation.methods import backend_problem, parse_method
 from kvarn_mla.evaluation.runner import check_mode, run
-from kvarn_mla.evaluation.tasks import GenerationItem, generate_items, target_chunks, teacher_forced_items
+from kvarn_mla.evaluation.tasks import (
+    GenerationItem,
+    _record_updates,
+    generate_items,
+    target_chunks,
+    teacher_forced_grid,
+    teacher_forced_items,
+)
 
 SMALL_TILES = "+tile_size=64+sink_tokens=0"  # short items cross one or two tile boundaries
 METHODS = ["fp32", f"k4v2{SMALL_TILES}", f"k2v2{SMALL_TILES}", f"kivi-2{SMALL_TILES}", f"rot-2{SMALL_TILES}",
@@ -85,3 +92,62 @@ def test_teacher_forced_run_records_and_refusals(tmp_path):
     no_target = [GenerationItem("u", "1+1=", {"exact": lambda text: text == "2"}, 4)]
     with pytest.raises(ValueError, match="has no target"):
         list(teacher_forced_items(model, tokenizer, no_target, methods[0]))
+
+
+def contextual_items(tokenizer, task: reasoning.Task, count: int) -> list[GenerationItem]:
+    """Short held-out items, each after two whole earlier items in its prompt (hundreds of prompt tokens), so a prefill
+    with 64-token tiles quantizes several tiles and the target attends them."""
+    items = []
+    for item in reasoning.held_out_items(count + 2, task=task, min_rows=3, max_rows=6)[2:]:
+        before = "".join(reasoning.make_item(item.index - k, task=task).text for k in (2, 1))
+        budget = len(tokenizer(item.target, add_special_tokens=False).input_ids) + 8
+        check = {"exact": lambda text, item=item: reasoning.check(item, text)}
+        items.append(GenerationItem(f"c{item.index}", before + item.prompt, check, budget, item.target))
+    return items
+
+
+TINY_TILES = "+tile_size=64+sink_tokens=4"
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
+SHARED = [f"k4v2{TINY_TILES}", f"k2v2{TINY_TILES}", f"kivi-2{TINY_TILES}", f"rot-2{TINY_TILES}",
+          f"kvarnvn-2{TINY_TILES}", f"kvarn-2+rope_bits=4{TINY_TILES}"]
+
+
+@pytest.mark.parametrize("name", ["mla", "gqa"])
+def test_shared_prefill_equals_separate_prefills(name):
+    """One recorded prefill replayed into another KVarN config's cache leaves the cache that config's own patched
+    prefill leaves (every dequantized tile and tail bit-equal, the same first prediction), and the grid's records
+    equal per-method `teacher_forced_items` records, the reference and transformers' fp8 cache included."""
+    model, tokenizer = reference_models.load(name, dtype=torch.float32)
+    items = contextual_items(tokenizer, reasoning.task_of(model.config), 2)
+    methods = [parse_method(m) for m in ["fp32", *SHARED, "hf-fp8"] if name == "mla" or "rope_bits" not in m]
+    prompt = tokenizer(items[0].prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    first = methods[1]
+    with first.applied(model):
+        recorded = first.new_cache(model)
+        states = _record_updates(recorded)
+        model(prompt, cache=recorded, use_cache=True)
+    assert [len(calls) for calls in states] == [1] * model.config.num_hidden_layers
+    for method in methods[2:-1]:
+        with method.applied(model):
+            own = method.new_cache(model)
+            model(prompt, cache=own, use_cache=True)
+            replayed = method.new_cache(model)
+            for layer, calls in zip(replayed.layers, states):
+                layer.update(*calls[0])
+            replayed.flush()
+        for a, b in zip(own.layers, replayed.layers):
+            assert a.streams[0].num_tiles > 0  # the prefill quantized tiles
+            for x, y in zip(a.streams, b.streams):  # codes, scales, zero points, gammas; sink and tail
+                assert all(map(same, x.tiles.parts(), y.tiles.parts())), method.name
+                assert same(x.view().sink, y.view().sink) and same(x.view().tail, y.view().tail), method.name
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), method.name
+    grid = {(m.name, r["id"]): r for m, r in teacher_forced_grid(model, tokenizer, items, methods)}
+    assert len(grid) == len(items) * len(methods)
+    for method in methods:
+        for record in teacher_forced_items(model, tokenizer, items, method):
+            assert grid[(method.name, record["id"])] == record, (method.name, record["id"])
+    skipped = list(teacher_forced_grid(model, tokenizer, items[:1], methods, skip=lambda m, it: m.kind != "kvarn"))
+    assert {m.name for m, _ in skipped} == {m.name for m in methods if m.kind == "kvarn"}

@@ -277,14 +277,15 @@ def run(
         compute: False only summarizes the records already in ``out.jsonl`` (a stopped run's partial table; also
             legacy records, see the module docstring).
         mode: How generation suites score an item: ``"greedy"`` (generate, then run its checks) or
-            ``"teacher-forced"`` (`teacher_forced_items`: the headline ``exact`` verdict only, from a few forward
-            passes over the target; needs items with a target and greedy sampling).
+            ``"teacher-forced"`` (`teacher_forced_grid`: the headline ``exact`` verdict only, from a few forward
+            passes over the target, item by item with one prefill shared by the KVarN methods; needs items with a
+            target and greedy sampling).
 
     Raises:
         ValueError: ``out.jsonl`` holds records of another configuration (or legacy records and ``compute``).
     """
     from .accumulation import accumulation_curve, greedy_divergence, reference_greedy
-    from .tasks import generate_items, teacher_forced_items
+    from .tasks import generate_items, teacher_forced_grid
     from .worst import worst_vectors
 
     if suite not in SUITES:
@@ -306,7 +307,17 @@ def run(
     methods = with_reference_label(methods, label_dtype)
     reference = Method(reference_label(label_dtype), "reference")
     keys = None if items is None else {it.id for it in items}
-    for method in tqdm(methods if compute else [], desc=f"{suite}", unit="method"):
+    if compute and mode == "teacher-forced":  # item by item, the KVarN methods sharing each item's prefill
+        digests = {it.id: item_digest(it) for it in items}
+        todo = [(m, it) for it in items for m in methods if not log.done(m, it.id, digests[it.id])]
+        pairs = {(m.name, it.id) for m, it in todo}
+        progress = tqdm(total=len(todo), desc=f"{suite} (teacher-forced)", unit="score")
+        for method, record in teacher_forced_grid(model, tokenizer, items, methods,
+                                                  skip=lambda m, it: (m.name, it.id) not in pairs):
+            log.add(method, record["id"], record, item=digests[record["id"]])
+            progress.update()
+        progress.close()
+    for method in tqdm(methods if compute and mode == "greedy" else [], desc=f"{suite}", unit="method"):
         if suite == "accumulation":
             if method.kind == "reference":
                 continue
@@ -329,9 +340,7 @@ def run(
             digests = {it.id: item_digest(it) for it in items}
             todo = [it for it in items if not log.done(method, it.id, digests[it.id])]
             progress = tqdm(total=len(todo), desc=method.name, unit="item", leave=False)
-            records = (teacher_forced_items(model, tokenizer, todo, method) if mode == "teacher-forced" else
-                       generate_items(model, tokenizer, todo, method, batch_size=batch_size, sampling=sampling))
-            for record in records:
+            for record in generate_items(model, tokenizer, todo, method, batch_size=batch_size, sampling=sampling):
                 log.add(method, record["id"], record, item=digests[record["id"]])
                 progress.update()
             progress.close()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import KVarNLayer
 from . import reasoning, retrieval
 from .checkers import load_tasks
 from .methods import Method
@@ -175,30 +176,99 @@ def teacher_forced_items(model, tokenizer, items: Sequence[GenerationItem], meth
     Raises:
         ValueError: an item has no ``target`` (user JSONL tasks are scored by checkers: greedy only).
     """
-    device = next(model.parameters()).device
     for item in items:
-        if item.target is None:
-            raise ValueError(f"item {item.id!r} has no target: teacher-forced scoring needs the reasoning or retrieval "
-                             "suite (user task files are checked on generated text: --mode greedy)")
-        prompt = tokenizer(item.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-        target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        ids = torch.cat([prompt, torch.tensor([target], device=device)], 1)
-        start = prompt.shape[1]
-        first_miss, scored = None, 0
+        prompt, ids = _item_ids(model, tokenizer, item)
         with method.applied(model):
             cache = method.new_cache(model)
             logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-            predicted = logits[0, -1:].argmax(-1)
-            spans = target_chunks(method, cache, start, ids.shape[1] - 1)
-            for span in [None, *spans]:
-                if span is not None:
-                    predicted = model(ids[:, span[0]:span[1]], cache=cache, use_cache=True).logits[0].argmax(-1)
-                expected = ids[0, scored + start : scored + start + len(predicted)]
-                wrong = (predicted != expected).nonzero()
-                if len(wrong):
-                    first_miss = scored + int(wrong[0])
-                    scored = first_miss + 1
-                    break
-                scored += len(predicted)
-        yield {"id": item.id, "exact": first_miss is None, "first_miss": first_miss, "target_tokens": len(target),
-               "new_tokens": scored}
+            yield _score_target(model, method, cache, item, ids, prompt.shape[1], logits[0, -1:].argmax(-1))
+
+
+@torch.no_grad()
+def teacher_forced_grid(
+    model,
+    tokenizer,
+    items: Sequence[GenerationItem],
+    methods: Sequence[Method],
+    skip: Callable[[Method, GenerationItem], bool] = lambda method, item: False,
+) -> Iterator[tuple[Method, dict]]:
+    """`teacher_forced_items` for every method on every item (item by item), with one prefill per item shared by
+    the KVarN methods: yields ``(method, record)`` for each pair that ``skip`` does not exclude.
+
+    A patched prefill attends the prompt in full precision and quantizes its full tiles only after the pass, so
+    every layer is given the same states whatever the KVarN config. The first KVarN method of an item prefills and
+    records what each layer was given; every other KVarN method replays those states into its own cache and
+    quantizes them as its patched prefill would (`tests/test_teacher_forced.py` checks caches and records equal
+    those of separate prefills). On a long prompt with a short target this is one prefill instead of one per
+    method. Other methods (the reference, transformers' caches) and caches with layers other than `KVarNLayer`
+    (DSA's indexer keys, sliding windows) prefill on their own.
+    """
+    for item in items:
+        todo = [m for m in methods if not skip(m, item)]
+        if not todo:
+            continue
+        prompt, ids = _item_ids(model, tokenizer, item)
+        shared = None  # (first prediction, each layer's recorded states) of this item's first KVarN prefill
+        for method in todo:
+            with method.applied(model):
+                cache = method.new_cache(model)
+                replayable = method.kind == "kvarn" and all(type(layer) is KVarNLayer for layer in cache.layers)
+                if replayable and shared is not None:
+                    first, states = shared
+                    for layer, calls in zip(cache.layers, states):
+                        for key_states, value_states in calls:
+                            layer.update(key_states, value_states)
+                    cache.flush()
+                else:
+                    states = _record_updates(cache) if replayable else None
+                    try:
+                        first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
+                    finally:
+                        if replayable:
+                            for layer in cache.layers:
+                                del layer.update  # the recording wrapper (an instance attribute)
+                    if replayable:
+                        shared = first, states
+                yield method, _score_target(model, method, cache, item, ids, prompt.shape[1], first)
+
+
+def _record_updates(cache) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Wrap each layer's ``update`` on this cache instance so that it records the states it is given."""
+    states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in cache.layers]
+    for calls, layer in zip(states, cache.layers):
+        def recording(key_states, value_states, *args, _update=layer.update, _calls=calls, **kwargs):
+            _calls.append((key_states, value_states))
+            return _update(key_states, value_states, *args, **kwargs)
+
+        layer.update = recording
+    return states
+
+
+def _item_ids(model, tokenizer, item: GenerationItem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, P]`` prompt ids and ``[1, P + T]`` prompt + target + end-of-text ids of an item with a target."""
+    if item.target is None:
+        raise ValueError(f"item {item.id!r} has no target: teacher-forced scoring needs the reasoning or retrieval "
+                         "suite (user task files are checked on generated text: --mode greedy)")
+    device = next(model.parameters()).device
+    prompt = tokenizer(item.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+    target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    return prompt, torch.cat([prompt, torch.tensor([target], device=device)], 1)
+
+
+def _score_target(model, method: Method, cache, item: GenerationItem, ids: torch.Tensor, start: int,
+                  predicted: torch.Tensor) -> dict:
+    """Feed the target after a prefilled prompt of ``start`` tokens in `target_chunks`, stopping at the first token
+    that is not the argmax; ``predicted`` is the prefill's prediction of the first target token."""
+    first_miss, scored = None, 0
+    for span in [None, *target_chunks(method, cache, start, ids.shape[1] - 1)]:
+        if span is not None:
+            predicted = model(ids[:, span[0]:span[1]], cache=cache, use_cache=True).logits[0].argmax(-1)
+        expected = ids[0, scored + start : scored + start + len(predicted)]
+        wrong = (predicted != expected).nonzero()
+        if len(wrong):
+            first_miss = scored + int(wrong[0])
+            scored = first_miss + 1
+            break
+        scored += len(predicted)
+    return {"id": item.id, "exact": first_miss is None, "first_miss": first_miss, "target_tokens": ids.shape[1] - start,
+            "new_tokens": scored}
