@@ -11,6 +11,7 @@ legacy records written before records named their configuration: move those away
 
     python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
     python benchmarks/accuracy.py --models mla --suites accumulation-reasoning,reasoning --items 20 --bits 2,4
+    python benchmarks/accuracy.py --suites retrieval-2048,retrieval-8192,reasoning-tf --long-items 200   # v2 models
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="mla,gqa,mha")
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
+    parser.add_argument("--long-items", type=int, default=200,
+                        help="items per retrieval context and of reasoning-tf (the long-context suites)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     parser.add_argument("--threads", type=int, default=2)
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
                         suites=args.suites.split(","), batch_size=args.batch_size,
                         bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
-                        families=tuple(args.families.split(",")) if args.families else None)
+                        families=tuple(args.families.split(",")) if args.families else None,
+                        long_items=args.long_items)
     except ValueError as error:  # records of another configuration, an unknown suite
         print(f"accuracy.py: error: {error}", file=sys.stderr)
         return 2

@@ -168,3 +168,55 @@ def test_committed_hf_rows_get_their_bytes():
     quanto_4 = report.method_bytes("gqa", "hf-quanto-4", rows["hf-quanto-4"])
     assert quanto < quanto_4 < rows["hf-fp8"]["bytes_per_token_4k"]
     assert report.method_bytes("gqa", "kvarn-2", rows["kvarn-2"]) == rows["kvarn-2"]["bytes_per_token_4k"]
+
+
+def write_verdicts(path: Path, verdicts: dict[str, list[bool]], lengths: list[int] | None = None) -> None:
+    """Records as the runner writes them (the fields the report reads): one per method and item."""
+    with path.open("w") as f:
+        for method, items in verdicts.items():
+            for index, right in enumerate(items):
+                record = {"method": method, "key": f"item-{index}", "exact": right}
+                if lengths:
+                    record["target_tokens"] = lengths[index]
+                f.write(json.dumps(record) + "\n")
+
+
+def test_long_context_section_states_goals_from_paired_records(tmp_path):
+    """Accuracy-vs-context tables, charts and the goals at 8K come from the records: kvarn-4 1 point below 16-bit
+    meets goal 1; kivi-2 right on 30 items more than KVarN and kvarn-vn at 2 bits is a significant loss (goal 3
+    missed, named); MLA's best method at >= 4x fewer bytes decides goal 2; a model without 8K records is not
+    measured."""
+    from kvarn_mla.report.long_context import goals, long_context_section
+
+    accuracy = tmp_path / "accuracy"
+    accuracy.mkdir()
+    n = 100
+    ok = lambda right: [i < right for i in range(n)]  # noqa: E731 (items 0..right-1 right: nested sets)
+    at_8k = {"fp32": ok(90), "kvarn-4": ok(89), "rot-4": ok(88), "kivi-4": ok(85), "kvarnvn-4": ok(90),
+             "kvarn-2": ok(40), "kvarnvn-2": ok(42), "rot-2": ok(45), "kivi-2": ok(72)}
+    write_verdicts(accuracy / "mla-retrieval-8192.jsonl", at_8k)
+    write_verdicts(accuracy / "mla-retrieval-2048.jsonl", {m: ok(min(n, sum(v) + 5)) for m, v in at_8k.items()})
+    sizes = {"fp32": 600.0, "kvarn-4": 200.0, "rot-4": 198.0, "kivi-4": 198.0, "kvarnvn-4": 199.0, "kvarn-2": 140.0,
+             "kvarnvn-2": 141.0, "rot-2": 139.0, "kivi-2": 139.0}
+    (accuracy / "mla-retrieval-8192.json").write_text(json.dumps(
+        {"methods": {m: {"bytes_per_token_4k": b} for m, b in sizes.items()}}))
+    write_verdicts(accuracy / "gqa-reasoning-tf.jsonl", {"fp32": ok(80), "kvarn-4": ok(78)},
+                   lengths=[300 + 20 * i for i in range(n)])
+
+    found = {g.goal: g for g in goals(accuracy, "mla", sizes)}
+    assert found["kvarn-4 within 2 points of 16-bit"].met is True
+    compressed = found[">= 4x fewer bytes within 2 points"]  # only the 2-bit methods reach 600 / 4 = 150 B
+    assert compressed.met is False and "kivi-2" in compressed.evidence
+    baselines = found["baselines: no significant loss of KVarN/kvarn-vn"]
+    assert baselines.met is False and "kvarnvn-2 vs kivi-2: -30" in baselines.evidence
+    assert "rot-4" not in baselines.evidence  # 1 item apart: not significant
+    assert all(g.met is None for g in goals(accuracy, "gqa", {}))
+
+    lines, _ = long_context_section(accuracy, tmp_path, lambda model, method, row: row.get("bytes_per_token_4k"))
+    text = "\n".join(lines)
+    assert "| kvarn-4 | 94.0% (" in text and "89.0% (" in text  # 2K and 8K columns of the retrieval table
+    assert "#### MLA: retrieval at 8,192 tokens, paired" in text
+    assert "| kivi-2 | **-18 (p = " in text and "**+32 (p = " in text  # vs 16-bit, vs kvarn-2
+    assert "### GQA: reasoning by scratchpad length" in text and "≥1500" in text
+    assert (tmp_path / "context_mla.png").stat().st_size > 0 and (tmp_path / "length_gqa.png").stat().st_size > 0
+    assert "| MLA | kvarn-4 within 2 points of 16-bit | met |" in text

@@ -10,6 +10,15 @@ For each bundled reference model (MHA, GQA, MLA) it runs
 - ``reasoning``: the first ``items`` held-out long-chain problems, greedy, exact match;
 - ``worst-vectors``: the diagnostic on the reasoning text (896 cached tokens, 128 scored);
 
+and, for the long-context (version-2) models:
+
+- ``retrieval-N`` for N in `CONTEXTS`: ``long_items`` held-out retrieval items of N tokens from `SWEEP_SEED`,
+  teacher-forced exact match (the greedy verdict; `tasks.teacher_forced_grid`, one prefill per item shared by the
+  KVarN methods);
+- ``reasoning-tf``: the first ``long_items`` held-out long-chain items, teacher-forced (the report bins them by
+  scratchpad length; ``reasoning`` stays the greedy subset);
+- ``accumulation-long``: the accumulation protocol on `LONG_TOKENS` tokens of held-out code;
+
 for KVarN, KIVI-style RTN and rotation-only at 2, 3 and 4 bits, transformers' quantized caches where they install,
 and for MLA the latent-bits × RoPE-bits grid. Results land in ``OUT/{model}-{suite}.json`` (+ ``.jsonl`` records,
 resumable for the same configuration only: see `kvarn_mla.evaluation.runner`).
@@ -25,11 +34,15 @@ from ..config import QUANTIZERS
 from . import reasoning
 from .methods import backend_problem, parse_methods
 from .runner import load_model, run
-from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text
+from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text, retrieval_items
 
 BITS = (2, 3, 4)
-SUITES = ("accumulation", "accumulation-reasoning", "reasoning", "worst-vectors")
+CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts of the long-context suites
+LONG_SUITES = (*(f"retrieval-{n}" for n in CONTEXTS), "reasoning-tf", "accumulation-long")
+SUITES = ("accumulation", "accumulation-reasoning", "reasoning", "worst-vectors", *LONG_SUITES)
 REASONING_TOKENS = 1024  # the reasoning rows the reference models were trained on were at most this long
+SWEEP_SEED = 20_261_130  # held-out retrieval seed of the sweep (outside retrieval.TRAIN_SEEDS; not a probe's seed)
+LONG_TOKENS = 16384  # held-out code tokens of the accumulation-long suite
 
 
 def quantizers(bits=BITS) -> list[str]:
@@ -61,14 +74,15 @@ def select(names: list[str], families: tuple[str, ...] | None) -> list[str]:
 
 
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
-          bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None) -> dict:
+          bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None, long_items: int = 200) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
     ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
     3 bits to the same files and redoes nothing). ``families`` restricts the methods to those whose name starts
     with one of them (``("hf-",)``: transformers' caches only), so two processes can share a model's sweep; the
     16-bit reference always runs. ``compute=False`` only rewrites the summaries from the records there (the
-    tables of a run that was stopped).
+    tables of a run that was stopped). ``long_items``: items of each retrieval context and of ``reasoning-tf``
+    (200: a 10-point paired difference is then usually significant, 100 often is not).
     """
     out.mkdir(parents=True, exist_ok=True)
     baselines, missing = transformers_baselines(bits)
@@ -90,6 +104,13 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
                               batch_size=batch_size),
             "worst-vectors": dict(suite="worst-vectors", methods=worst, text_ids=text,
                                   context=REASONING_TOKENS - 128),
+            "reasoning-tf": dict(suite="reasoning", methods=compared, mode="teacher-forced",
+                                 items=lambda: reasoning_items(tokenizer, long_items, task=task)),
+            "accumulation-long": dict(suite="accumulation", methods=compared, tokens=LONG_TOKENS),
+            **{f"retrieval-{n}": dict(suite="retrieval", methods=compared, mode="teacher-forced", batch_size=1,
+                                      context=n, seed=SWEEP_SEED,
+                                      items=lambda n=n: retrieval_items(tokenizer, n, SWEEP_SEED, long_items))
+               for n in CONTEXTS},
         }
         results[name] = {}
         for suite in suites:
@@ -97,6 +118,8 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
                 raise ValueError(f"unknown suite {suite!r}; allowed: {SUITES}")
             if not compute and not (out / f"{name}-{suite}.jsonl").exists():
                 continue
-            results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", compute=compute,
-                                       **arguments[suite])
+            settings = dict(arguments[suite])
+            if callable(settings.get("items")):  # made only for the suites that run (long retrieval items take time)
+                settings["items"] = settings["items"]()
+            results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", compute=compute, **settings)
     return results

@@ -131,3 +131,38 @@ def speed_chart(rows: list[dict], path: Path) -> None:
     axis.set_title("Decode step time on CPU")
     axis.legend(fontsize=8)
     _save(figure, path)
+
+
+def context_chart(curves: dict[str, list[tuple[int, int, int]]], title: str, xlabel: str, path: Path) -> None:
+    """Exact match vs context (or length) per method, ``curves = {method: [(x, correct, n)]}``, with Wilson 95%
+    bars; one panel per bit width (methods without bits, such as the reference, in every panel, dashed). A method
+    family (``kvarn``, ``rot``, ...) has the same colour in every panel."""
+    import re
+
+    from ..evaluation.checkers import wilson_interval
+    from ..evaluation.paired import bits_of
+
+    family_of = {m: re.sub(r"-\d(?=\+|$)", "", m) for m in curves}
+    colour = {family: f"C{i % 10}" for i, family in enumerate(dict.fromkeys(family_of.values()))}
+    xs_all = sorted({x for points in curves.values() for x, _, _ in points})
+    widths = sorted({b for m in curves if (b := bits_of(m))}) or [None]
+    figure, axes = plt.subplots(1, len(widths), figsize=(max(6.5, 4.2 * len(widths)), 3.8), sharey=True, squeeze=False)
+    for axis, bits in zip(axes[0], widths):
+        for method in (m for m in curves if bits_of(m) in (bits, None)):
+            points = sorted(curves[method])
+            ys = [c / n for _, c, n in points]
+            bounds = [wilson_interval(c, n) for _, c, n in points]
+            errors = [[y - low for y, (low, _) in zip(ys, bounds)], [high - y for y, (_, high) in zip(ys, bounds)]]
+            axis.errorbar([x for x, _, _ in points], ys, yerr=errors, fmt="o-" if bits_of(method) else "o--",
+                          color=colour[family_of[method]], capsize=2, markersize=3, linewidth=1, label=method)
+        if xs_all and xs_all[0] > 0:  # contexts double: even spacing
+            axis.set_xscale("log", base=2)
+        axis.set_xticks(xs_all, [f"{x // 1024}K" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs_all])
+        axis.minorticks_off()
+        axis.set_title(f"{bits}-bit" if bits else "methods", fontsize=9)
+        axis.set_xlabel(xlabel, fontsize=8)
+        axis.legend(fontsize=6)
+    axes[0][0].set_ylabel("exact match")
+    axes[0][0].set_ylim(-0.03, 1.03)
+    figure.suptitle(title, fontsize=10)
+    _save(figure, path)

@@ -1,0 +1,220 @@
+"""Accuracy vs context length: the retrieval suite at each context, the reasoning suite by scratchpad length, and
+the long-context goals of `benchmarks/README.md`, stated as met or missed from the records.
+
+Reads ``accuracy/{model}-retrieval-{N}.jsonl`` (one file per context ``N``, written by the sweep's ``retrieval-N``
+suites) and ``accuracy/{model}-reasoning-tf.jsonl`` (teacher-forced reasoning records, which carry each item's
+target length). Every number comes from the records: exact match with its Wilson interval, and exact McNemar
+p-values of paired comparisons on the same items (`evaluation.paired`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..evaluation.checkers import wilson_interval
+from ..evaluation.paired import bits_of, compare, load_verdicts
+from . import FAMILY_OF, REFERENCE_LABELS
+from .charts import context_chart
+
+GOAL_CONTEXT = 8192  # the context at which the goals are stated
+GOAL_POINTS = 0.02  # "within 2 points"
+GOAL_COMPRESSION = 4.0  # "at >= 4x fewer bytes than 16-bit"
+LENGTH_BINS = (0, 500, 1000, 1500, 2000)  # reasoning scratchpad length bins (target tokens): [a, b), last open
+
+
+def retrieval_files(accuracy: Path, model: str) -> dict[int, Path]:
+    """``{context: records}`` of a model's retrieval suites, by increasing context."""
+    found = {}
+    for path in accuracy.glob(f"{model}-retrieval-*.jsonl"):
+        match = re.fullmatch(rf"{model}-retrieval-(\d+)\.jsonl", path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def reference_of(verdicts: dict) -> str | None:
+    """The unquantized reference's label among a records file's methods."""
+    return next((label for label in REFERENCE_LABELS if label in verdicts), None)
+
+
+def curve_points(per_x: dict[int, dict[str, dict[str, bool]]]) -> dict[str, list[tuple[int, int, int]]]:
+    """``{method: [(x, correct, n)]}`` from ``{x: {method: {item: verdict}}}``."""
+    curves: dict[str, list[tuple[int, int, int]]] = {}
+    for x, verdicts in per_x.items():
+        for method, items in verdicts.items():
+            curves.setdefault(method, []).append((x, sum(items.values()), len(items)))
+    return curves
+
+
+def length_verdicts(records: Path, bins=LENGTH_BINS) -> dict[int, dict[str, dict[str, bool]]]:
+    """Teacher-forced reasoning verdicts grouped by target length: ``{bin start: {method: {item: verdict}}}``."""
+    grouped: dict[int, dict[str, dict[str, bool]]] = {}
+    for line in records.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "exact" not in record or "target_tokens" not in record:
+            continue
+        start = max(b for b in bins if record["target_tokens"] >= b)
+        grouped.setdefault(start, {}).setdefault(record["method"], {})[record["key"]] = bool(record["exact"])
+    return dict(sorted(grouped.items()))
+
+
+def _cell(correct: int, n: int) -> str:
+    low, high = wilson_interval(correct, n)
+    return f"{correct / n:.1%} ({low:.0%}–{high:.0%}, n={n})" if n else "-"
+
+
+def curve_table(curves: dict[str, list[tuple[int, int, int]]], xs: list[int], label) -> list[str]:
+    """One row per method, one column per x: exact match (Wilson 95%, n)."""
+    lines = ["| method | " + " | ".join(label(x) for x in xs) + " |", "|---|" + "---|" * len(xs)]
+    for method, points in curves.items():
+        by_x = {x: (c, n) for x, c, n in points}
+        lines.append(f"| {method} | " + " | ".join(_cell(*by_x[x]) if x in by_x else "-" for x in xs) + " |")
+    return lines
+
+
+def paired_table(verdicts: dict[str, dict[str, bool]]) -> list[str]:
+    """Each method against KVarN (``kvarn-B``) and rotation-only (``rot-B``) at its bit width, and against the 16-bit
+    reference: items right only with the method minus only with the partner, and the exact McNemar p-value."""
+    reference = reference_of(verdicts)
+    lines = ["| method | vs 16-bit | vs kvarn-B | vs rot-B |", "|---|---|---|---|"]
+    for method, mine in verdicts.items():
+        bits = bits_of(method)
+        cells = []
+        for partner in (reference, f"kvarn-{bits}" if bits else None, f"rot-{bits}" if bits else None):
+            if partner is None or partner == method or partner not in verdicts:
+                cells.append("-")
+                continue
+            c = compare(mine, verdicts[partner], partner)
+            text = f"{c.difference:+d} (p = {c.p_value:.2g})"
+            cells.append(f"**{text}**" if c.p_value < 0.05 else text)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One long-context goal on one model: ``met`` is None when the records to judge it are missing."""
+
+    model: str
+    goal: str
+    met: bool | None
+    evidence: str
+
+
+def goals(accuracy: Path, model: str, bytes_per_token: dict[str, float]) -> list[Goal]:
+    """The three goals at `GOAL_CONTEXT` on ``model``'s retrieval records.
+
+    1. KVarN 4-bit (``kvarn-4``) within 2 points of 16-bit;
+    2. (MLA) some method at >= 4x fewer bytes per token than 16-bit within 2 points;
+    3. KVarN or ``kvarnvn`` at each bit width at least as good as every other method at that bit width (the same
+       bytes up to the per-tile metadata): no significant paired loss (McNemar p < 0.05) of the better of the two.
+
+    Args:
+        bytes_per_token: ``{method: bytes per token}`` (the summary's ``bytes_per_token_4k``: the report's
+            convention; at 8K a KVarN cache is slightly smaller, its sink and tail amortized over more tokens).
+    """
+    path = retrieval_files(accuracy, model).get(GOAL_CONTEXT)
+    names = ["kvarn-4 within 2 points of 16-bit", "baselines: no significant loss of KVarN/kvarn-vn"]
+    if model == "mla":
+        names.insert(1, f">= {GOAL_COMPRESSION:.0f}x fewer bytes within 2 points")
+    if path is None:
+        return [Goal(model, name, None, f"no {model}-retrieval-{GOAL_CONTEXT}.jsonl") for name in names]
+    verdicts = load_verdicts(path)
+    reference = reference_of(verdicts)
+    if reference is None:
+        return [Goal(model, name, None, "no 16-bit reference in the records") for name in names]
+    accuracy_of = {m: sum(v.values()) / len(v) for m, v in verdicts.items() if v}
+    ref = accuracy_of[reference]
+    out = []
+    if "kvarn-4" in accuracy_of:
+        gap = accuracy_of["kvarn-4"] - ref
+        out.append(Goal(model, names[0], gap >= -GOAL_POINTS,
+                        f"kvarn-4 {accuracy_of['kvarn-4']:.1%} vs 16-bit {ref:.1%} ({100 * gap:+.1f} points)"))
+    else:
+        out.append(Goal(model, names[0], None, "kvarn-4 not in the records"))
+    if model == "mla":
+        small = {m: a for m, a in accuracy_of.items() if m in bytes_per_token and reference in bytes_per_token
+                 and bytes_per_token[reference] / bytes_per_token[m] >= GOAL_COMPRESSION}
+        best = max(small, key=lambda m: (small[m], -bytes_per_token[m]), default=None)
+        if best is None:
+            out.append(Goal(model, names[1], None, f"no method at >= {GOAL_COMPRESSION:.0f}x fewer bytes measured"))
+        else:
+            ratio = bytes_per_token[reference] / bytes_per_token[best]
+            out.append(Goal(model, names[1], small[best] - ref >= -GOAL_POINTS,
+                            f"best at >= {GOAL_COMPRESSION:.0f}x: {best} ({ratio:.1f}x) {small[best]:.1%} vs 16-bit "
+                            f"{ref:.1%} ({100 * (small[best] - ref):+.1f} points)"))
+    losses, compared = [], 0
+    for bits in sorted({b for m in verdicts if (b := bits_of(m))}):
+        ours = [m for m in (f"kvarn-{bits}", f"kvarnvn-{bits}") if m in verdicts]
+        if not ours:
+            continue
+        mine = max(ours, key=lambda m: accuracy_of[m])
+        for other in verdicts:
+            if bits_of(other) != bits or other in ours or "rope_bits" in other:
+                continue
+            compared += 1
+            c = compare(verdicts[mine], verdicts[other], other)
+            if c.difference < 0 and c.p_value < 0.05:
+                losses.append(f"{mine} vs {other}: {c.difference:+d} items (p = {c.p_value:.2g})")
+    out.append(Goal(model, names[-1], None if not compared else not losses,
+                    "; ".join(losses) if losses else f"no significant loss in {compared} paired comparisons"))
+    return out
+
+
+def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str], list[Goal]]:
+    """The report's accuracy-vs-context section, with a chart per model, and the goals.
+
+    Args:
+        bytes_of: ``bytes_of(model, method, row)`` -> bytes per token (the report's `method_bytes`).
+    """
+    lines = ["## 2b. Accuracy vs context length\n",
+             "Retrieval (`kvarn-mla eval --suite retrieval`): held-out items of N tokens, facts at depths spread over "
+             "the whole context, teacher-forced exact match of the whole answer (`--mode teacher-forced`, the greedy "
+             "verdict). Reasoning: held-out long-chain items, teacher-forced, by scratchpad length. Cells: exact "
+             "match (Wilson 95% interval, items). Paired columns: items right only with the method minus only with "
+             "the partner, exact McNemar p (bold below 0.05).\n"]
+    found_goals: list[Goal] = []
+    for model in ("mha", "gqa", "mla"):
+        family = FAMILY_OF[model]
+        files = retrieval_files(accuracy, model)
+        if files:
+            per_context = {n: load_verdicts(path) for n, path in files.items()}
+            curves = curve_points(per_context)
+            chart = f"context_{model}.png"
+            context_chart(curves, f"{family} reference model: retrieval exact match vs context", "context (tokens)",
+                          out / chart)
+            lines += [f"### {family}: retrieval vs context (`results/accuracy/{model}-retrieval-N.jsonl`)\n",
+                      *curve_table(curves, list(files), lambda n: f"{n // 1024}K"), "", f"![{chart[:-4]}]({chart})\n"]
+            for n, verdicts in per_context.items():
+                if n in (GOAL_CONTEXT, max(files)):
+                    lines += [f"#### {family}: retrieval at {n:,} tokens, paired\n", *paired_table(verdicts), ""]
+            summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
+            rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
+            sizes = {m: b for m, row in rows.items() if (b := bytes_of(model, m, row))}
+            found_goals += goals(accuracy, model, sizes)
+        tf = accuracy / f"{model}-reasoning-tf.jsonl"
+        if tf.is_file():
+            per_length = length_verdicts(tf)
+            curves = curve_points(per_length)
+            chart = f"length_{model}.png"
+            context_chart(curves, f"{family} reference model: reasoning exact match vs scratchpad length",
+                          "scratchpad length (target tokens, bin start)", out / chart)
+            lines += [f"### {family}: reasoning by scratchpad length (`results/accuracy/{model}-reasoning-tf.jsonl`)\n",
+                      *curve_table(curves, list(per_length), lambda b: f"≥{b}"), "", f"![{chart[:-4]}]({chart})\n",
+                      f"#### {family}: reasoning (teacher-forced, all lengths), paired\n",
+                      *paired_table(load_verdicts(tf)), ""]
+    if found_goals:
+        lines += [f"### Goals at {GOAL_CONTEXT:,} tokens\n", "| model | goal | met | evidence |", "|---|---|---|---|"]
+        for g in found_goals:
+            verdict = "not measured" if g.met is None else "met" if g.met else "**missed**"
+            lines.append(f"| {g.model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
+        lines.append("")
+    if len(lines) == 2:
+        lines.append("No long-context records under `results/accuracy/` yet (the sweep's `retrieval-N` and "
+                     "`reasoning-tf` suites).\n")
+    return lines, found_goals
