@@ -216,6 +216,27 @@ def test_eval_cli_scores_fresh_held_out_items(tok, tmp_path, capsys):
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     assert [r["key"] for r in records] == [f"retrieval-512-{HELD_OUT_SEED}-{i}" for i in range(2)]
 
+    # teacher-forced, as the sweep scores its retrieval grids: every (method, item) once, KVarN prefills shared
+    tiles = "+tile_size=64+sink_tokens=0"
+    presets = ["--presets", f"bf16,k4v2{tiles},k2v2{tiles},rot-2{tiles}"]
+    assert main([*args[:-4], *presets, "--out", str(tmp_path / "tf.json"), "--seed", str(HELD_OUT_SEED), "--mode",
+                 "teacher-forced"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "tf.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["key"]) for r in records) == sorted(
+        (m, f"retrieval-512-{HELD_OUT_SEED}-{i}") for m in ("fp32", f"k4v2{tiles}", f"k2v2{tiles}", f"rot-2{tiles}")
+        for i in range(2))
+    assert all(r["first_miss"] is not None and not r["exact"] for r in records)  # random weights
+
+
+def test_sweep_retrieval_text_is_a_held_out_item_written_out(tok):
+    from kvarn_mla.evaluation.sweep import SWEEP_SEED, retrieval_text
+
+    assert RT.seed_split(SWEEP_SEED) == "held_out"
+    item = RT.make_item(tok, 512, SWEEP_SEED, 0)
+    ids = retrieval_text(tok, 512)
+    assert ids.shape == (1, 512)
+    assert ids[0].tolist() == tok(item.prompt + item.target, add_special_tokens=False).input_ids[:512]
+
 
 def test_demo_has_a_long_context_retrieval_prompt(tok):
     from kvarn_mla.evaluation.demo import DEMO_RETRIEVAL_CONTEXT, DEMO_RETRIEVAL_SEED, demo_prompts

@@ -17,7 +17,8 @@ and, for the long-context (version-2) models:
   KVarN methods);
 - ``reasoning-tf``: the first ``long_items`` held-out long-chain items, teacher-forced (the report bins them by
   scratchpad length; ``reasoning`` stays the greedy subset);
-- ``accumulation-long``: the accumulation protocol on `LONG_TOKENS` tokens of held-out code;
+- ``accumulation-long``: the accumulation protocol on `LONG_TOKENS` tokens of held-out code, and
+  ``accumulation-retrieval`` on one held-out retrieval item of `LONG_TOKENS` tokens written out (prompt and answer);
 
 for KVarN, KIVI-style RTN and rotation-only at 2, 3 and 4 bits, transformers' quantized caches where they install,
 and for MLA the latent-bits × RoPE-bits grid. Results land in ``OUT/{model}-{suite}.json`` (+ ``.jsonl`` records,
@@ -38,7 +39,7 @@ from .tasks import reasoning_chain_prompt, reasoning_items, reasoning_text, retr
 
 BITS = (2, 3, 4)
 CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts of the long-context suites
-LONG_SUITES = (*(f"retrieval-{n}" for n in CONTEXTS), "reasoning-tf", "accumulation-long")
+LONG_SUITES = (*(f"retrieval-{n}" for n in CONTEXTS), "reasoning-tf", "accumulation-long", "accumulation-retrieval")
 SUITES = ("accumulation", "accumulation-reasoning", "reasoning", "worst-vectors", *LONG_SUITES)
 REASONING_TOKENS = 1024  # the reasoning rows the reference models were trained on were at most this long
 SWEEP_SEED = 20_261_130  # held-out retrieval seed of the sweep (outside retrieval.TRAIN_SEEDS; not a probe's seed)
@@ -66,6 +67,14 @@ def transformers_baselines(bits=BITS) -> tuple[list[str], dict[str, str]]:
         else:
             missing[f"hf-{backend}"] = problem
     return runnable, missing
+
+
+def retrieval_text(tokenizer, tokens: int) -> torch.Tensor:
+    """``[1, tokens]`` ids of one held-out retrieval item of ``tokens`` tokens (from `SWEEP_SEED`) written out: the
+    prompt and its answer, cut to ``tokens``."""
+    item = retrieval_items(tokenizer, tokens, SWEEP_SEED, 1)[0]
+    ids = tokenizer(item.prompt + item.target, add_special_tokens=False).input_ids
+    return torch.tensor([ids[:tokens]])
 
 
 def select(names: list[str], families: tuple[str, ...] | None) -> list[str]:
@@ -107,6 +116,8 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
             "reasoning-tf": dict(suite="reasoning", methods=compared, mode="teacher-forced",
                                  items=lambda: reasoning_items(tokenizer, long_items, task=task)),
             "accumulation-long": dict(suite="accumulation", methods=compared, tokens=LONG_TOKENS),
+            "accumulation-retrieval": dict(suite="accumulation", methods=compared,
+                                           text_ids=lambda: retrieval_text(tokenizer, LONG_TOKENS)),
             **{f"retrieval-{n}": dict(suite="retrieval", methods=compared, mode="teacher-forced", batch_size=1,
                                       context=n, seed=SWEEP_SEED,
                                       items=lambda n=n: retrieval_items(tokenizer, n, SWEEP_SEED, long_items))
@@ -119,7 +130,8 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
             if not compute and not (out / f"{name}-{suite}.jsonl").exists():
                 continue
             settings = dict(arguments[suite])
-            if callable(settings.get("items")):  # made only for the suites that run (long retrieval items take time)
-                settings["items"] = settings["items"]()
+            for lazy in ("items", "text_ids"):  # made only for the suites that run (long retrieval items take time)
+                if callable(settings.get(lazy)):
+                    settings[lazy] = settings[lazy]()
             results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", compute=compute, **settings)
     return results

@@ -96,6 +96,9 @@ ACCUMULATION_TEXTS = {  # results file suffix -> what the run read
     "accumulation": "2,048 tokens of held-out code (greedy: 1,024 tokens from its first 512)",
     "accumulation-reasoning": "1,024 tokens of held-out reasoning items back to back (greedy: a whole 48-row chain, "
                               "913 tokens)",
+    "accumulation-long": "16,384 tokens of held-out code (greedy: 1,024 tokens from its first 512)",
+    "accumulation-retrieval": "one held-out 16,384-token retrieval item written out, prompt and answer (greedy: "
+                              "1,024 tokens from its first 512)",
 }
 
 
