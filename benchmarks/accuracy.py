@@ -52,6 +52,22 @@ def summary_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     return "\n".join(lines)
 
 
+def goals_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
+    """The long-context goals at 8K as met / missed / not measured, from the retrieval records (``--goals``)."""
+    from kvarn_mla.report import method_bytes
+    from kvarn_mla.report.long_context import GOAL_CONTEXT, goals
+
+    lines = ["| model | goal | met | evidence |", "|---|---|---|---|"]
+    for model in models:
+        summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
+        rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
+        sizes = {m: b for m, row in rows.items() if (b := method_bytes(model, m, row))}
+        for g in goals(accuracy, model, sizes):
+            verdict = "not measured" if g.met is None else "met" if g.met else "missed"
+            lines.append(f"| {model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mla,gqa,mha")
@@ -65,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="only methods whose name starts with one of these (e.g. hf-)")
     parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
     parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
+    parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
     args = parser.parse_args(argv)
+    if args.goals:
+        print(goals_table(HERE / "results" / "accuracy", args.models.split(",")))
+        return 0
     if args.summary:
         print(summary_table(HERE / "results" / "accuracy", args.models.split(",")))
         return 0
