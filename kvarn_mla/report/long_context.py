@@ -166,8 +166,9 @@ def goals(accuracy: Path, model: str, bytes_per_token: dict[str, float]) -> list
     return out
 
 
-def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str], list[Goal]]:
-    """The report's accuracy-vs-context section, with a chart per model, and the goals.
+def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str], list[Goal], list[str]]:
+    """The report's accuracy-vs-context section (with a chart per model), the goals, and the discussion lines
+    (`context_discussion`).
 
     Args:
         bytes_of: ``bytes_of(model, method, row)`` -> bytes per token (the report's `method_bytes`).
@@ -179,6 +180,7 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
              "match (Wilson 95% interval, items). Paired columns: items right only with the method minus only with "
              "the partner, exact McNemar p (bold below 0.05).\n"]
     found_goals: list[Goal] = []
+    sizes_of: dict[str, dict[str, float]] = {}
     for model in ("mha", "gqa", "mla"):
         family = FAMILY_OF[model]
         files = retrieval_files(accuracy, model)
@@ -195,8 +197,8 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
                     lines += [f"#### {family}: retrieval at {n:,} tokens, paired\n", *paired_table(verdicts), ""]
             summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
             rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
-            sizes = {m: b for m, row in rows.items() if (b := bytes_of(model, m, row))}
-            found_goals += goals(accuracy, model, sizes)
+            sizes_of[model] = {m: b for m, row in rows.items() if (b := bytes_of(model, m, row))}
+            found_goals += goals(accuracy, model, sizes_of[model])
         tf = accuracy / f"{model}-reasoning-tf.jsonl"
         if tf.is_file():
             per_length = length_verdicts(tf)
@@ -217,4 +219,58 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
     if len(lines) == 2:
         lines.append("No long-context records under `results/accuracy/` yet (the sweep's `retrieval-N` and "
                      "`reasoning-tf` suites).\n")
-    return lines, found_goals
+    return lines, found_goals, context_discussion(accuracy, sizes_of)
+
+
+def context_discussion(accuracy: Path, bytes_per_token: dict[str, dict[str, float]]) -> list[str]:
+    """Discussion lines from the long-context records: how 16-bit and each quantizer pair (KVarN vs rotation-only,
+    KVarN vs KIVI-style, kvarn-vn vs KVarN) change with context, and whether another preset than the default
+    ``k4v2`` is better at 8K on every model (significantly, at no more bytes).
+
+    Args:
+        bytes_per_token: ``{model: {method: bytes per token}}``.
+    """
+    lines: list[str] = []
+    better_than_default: dict[str, set[str]] = {}
+    for model in ("mha", "gqa", "mla"):
+        files = retrieval_files(accuracy, model)
+        if not files:
+            continue
+        per_context = {n: load_verdicts(path) for n, path in files.items()}
+        reference = {n: reference_of(v) for n, v in per_context.items()}
+        ref = ", ".join(f"{_accuracy(v[reference[n]]):.0%} at {n // 1024}K" for n, v in per_context.items()
+                        if reference[n])
+        pairs = []
+        for bits in (4, 3, 2):
+            for mine, other in ((f"kvarn-{bits}", f"rot-{bits}"), (f"kvarn-{bits}", f"kivi-{bits}"),
+                                (f"kvarnvn-{bits}", f"kvarn-{bits}")):
+                cells = []
+                for n, verdicts in per_context.items():
+                    if mine in verdicts and other in verdicts:
+                        c = compare(verdicts[mine], verdicts[other], other)
+                        mark = "*" if c.p_value < 0.05 else ""
+                        cells.append(f"{100 * c.difference / max(1, len(verdicts[mine])):+.0f}{mark} ({n // 1024}K)")
+                if cells:
+                    pairs.append(f"{mine} − {other}: {', '.join(cells)}")
+        lines.append(f"- {FAMILY_OF[model]} retrieval vs context: 16-bit {ref or 'not measured'}. Paired differences "
+                     f"in points (* p < 0.05): " + "; ".join(pairs) + ".")
+        verdicts = per_context.get(GOAL_CONTEXT, {})
+        sizes = bytes_per_token.get(model, {})
+        if "k4v2" in verdicts and "k4v2" in sizes:
+            better_than_default[model] = {
+                m for m in verdicts if m != "k4v2" and m in sizes and sizes[m] <= sizes["k4v2"]
+                and (c := compare(verdicts[m], verdicts["k4v2"], "k4v2")).difference > 0 and c.p_value < 0.05}
+    if better_than_default:
+        everywhere = set.intersection(*better_than_default.values()) if len(better_than_default) == 3 else set()
+        lines.append(
+            f"- Default preset: at {GOAL_CONTEXT // 1024}K, "
+            + (f"{', '.join(sorted(everywhere))} beat k4v2 significantly at no more bytes on all three models: the "
+               "evidence favours it as the default on these models." if everywhere else
+               "no method beats k4v2 significantly at no more bytes on all three models (methods that do, per "
+               f"model: {', '.join(f'{FAMILY_OF[m]} {len(s)}' for m, s in better_than_default.items())}); k4v2 "
+               "stays the default."))
+    return lines
+
+
+def _accuracy(items: dict[str, bool]) -> float:
+    return sum(items.values()) / len(items) if items else 0.0
