@@ -70,7 +70,10 @@ def goals_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="mla,gqa,mha")
+    parser.add_argument("--models", default="mla,gqa,mha",
+                        help="bundled names, or NAME=DIR for a checkpoint directory filed under NAME")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "accuracy",
+                        help="results directory (default: the committed results/accuracy)")
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--items", type=int, default=100, help="held-out reasoning problems per method")
     parser.add_argument("--long-items", type=int, default=200,
@@ -84,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
     args = parser.parse_args(argv)
     if args.goals:
-        print(goals_table(HERE / "results" / "accuracy", args.models.split(",")))
+        print(goals_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
         return 0
     if args.summary:
-        print(summary_table(HERE / "results" / "accuracy", args.models.split(",")))
+        print(summary_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
         return 0
     torch.set_num_threads(args.threads)
     try:
-        results = sweep(HERE / "results" / "accuracy", models=args.models.split(","), items=args.items,
+        results = sweep(args.out, models=args.models.split(","), items=args.items,
                         suites=args.suites.split(","), batch_size=args.batch_size,
                         bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
                         families=tuple(args.families.split(",")) if args.families else None,
@@ -101,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if results["_missing_baselines"]:
         print("baselines that could not run:", results["_missing_baselines"])
-    print("report:", build_report(HERE / "results", HERE / "report"))
+    if args.out.resolve() == (HERE / "results" / "accuracy").resolve():
+        print("report:", build_report(HERE / "results", HERE / "report"))
+    else:  # another results set: its own report, on request
+        print(f"report: kvarn-mla report --results {args.out.parent} --out DIR")
     return 0
 
 

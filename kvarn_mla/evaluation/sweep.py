@@ -86,6 +86,9 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
           bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None, long_items: int = 200) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
+    ``models`` are bundled names (``mla``, ``gqa``, ``mha``) or ``name=DIR`` for a checkpoint directory of that
+    family (e.g. a training run's model before it is installed), whose results are filed under ``name``.
+
     ``bits`` restricts the bit widths (a time-boxed run can do 2 and 4 first; a later run with all three adds
     3 bits to the same files and redoes nothing). ``families`` restricts the methods to those whose name starts
     with one of them (``("hf-",)``: transformers' caches only), so two processes can share a model's sweep; the
@@ -96,8 +99,9 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
     out.mkdir(parents=True, exist_ok=True)
     baselines, missing = transformers_baselines(bits)
     results = {"_missing_baselines": missing}
-    for name in models:
-        model, tokenizer = load_model(name, torch.float32)
+    for spec in models:
+        name, _, path = spec.partition("=")  # "gqa" (bundled) or "gqa=DIR" (a checkpoint of that family)
+        model, tokenizer = load_model(path or name, torch.float32)
         grid = mla_grid(bits) if name == "mla" else []
         names = select(quantizers(bits) + grid + baselines, families)
         compared = parse_methods(",".join(names))
