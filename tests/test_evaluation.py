@@ -464,3 +464,18 @@ def test_paired_rows_pair_items_at_each_bit_width(tmp_path):
     kivi = {c.partner: c for c in rows["kivi-4"].comparisons}
     assert (kivi["kvarn-4"].only_method, kivi["kvarn-4"].only_partner, kivi["kvarn-4"].p_value) == (0, 3, 0.25)
     assert rows["kivi-4"].ci95 == pytest.approx((0.0301, 0.5635), abs=1e-4)
+
+
+def test_sweep_files_a_checkpoint_directory_under_its_family_name(tmp_path):
+    """``NAME=DIR`` runs the checkpoint in DIR (a training run's model before it is installed) and files its results
+    under NAME; the bundled model of that name is not loaded."""
+    from kvarn_mla.evaluation.sweep import sweep
+
+    model, tokenizer = build_model("llama"), char_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    results = sweep(tmp_path / "out", models=(f"gqa={tmp_path / 'model'}",), suites=("accumulation",), bits=(2,),
+                    families=("kvarn-",), items=1)
+    assert list(results["gqa"]["accumulation"]["methods"]) == ["kvarn-2"]
+    record = json.loads((tmp_path / "out" / "gqa-accumulation.jsonl").read_text().splitlines()[0])
+    assert record["run"]["model"]["digest"] == runner.model_identity(model)["digest"]
