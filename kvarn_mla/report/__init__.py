@@ -13,15 +13,12 @@ import re
 from pathlib import Path
 
 from .charts import bar_chart, curve_chart, pareto_chart, speed_chart
+from .long_context import FAMILY_OF, REFERENCE_LABELS, long_context_section
 
 CAPACITY_BUDGET_GIB = 64  # cache memory the capacity column fills
 CAPACITY_CONTEXT = 32768  # context at which bytes per token are counted
 BYTES_METHODS = ["bf16", "hf-fp8", "hf-quanto-4", "hf-quanto-2", "kivi-k2v2", "k4v2", "k2v2", "k4v2-r8"]
 REPORT_CONTEXT = 4096  # context at which the accuracy tables count bytes per token
-FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
-# How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
-# results written before that call it "bf16" whatever the dtype.
-REFERENCE_LABELS = ("fp32", "bf16", "fp16")
 BENCH_FILES = ("bench_cpu.json", "bench_decode_cpu.json")
 
 
@@ -350,8 +347,6 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     byte_lines, byte_numbers = bytes_section(out)
     accuracy_lines, accuracy = accuracy_section(results, out)
-    from .long_context import long_context_section  # imports this package's constants
-
     context_lines, _, context_discussion = long_context_section(results / "accuracy", out, method_bytes)
     speed_lines, speed = speed_section(results, out)
     body = ["# kvarn_mla: MHA vs GQA vs MLA under KV-cache quantization\n",

@@ -16,12 +16,15 @@ from pathlib import Path
 
 from ..evaluation.checkers import wilson_interval
 from ..evaluation.paired import bits_of, compare, load_verdicts
-from . import FAMILY_OF, REFERENCE_LABELS
 from .charts import context_chart
 
 GOAL_CONTEXT = 8192  # the context at which the goals are stated
 GOAL_POINTS = 0.02  # "within 2 points"
 GOAL_COMPRESSION = 4.0  # "at >= 4x fewer bytes than 16-bit"
+FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
+# How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
+# results written before that call it "bf16" whatever the dtype.
+REFERENCE_LABELS = ("fp32", "bf16", "fp16")
 LENGTH_BINS = (0, 500, 1000, 1500, 2000)  # reasoning scratchpad length bins (target tokens): [a, b), last open
 
 
