@@ -219,8 +219,10 @@ FULL = Recipe(
         Phase("long", 60, 8192, "k", 3e-4, 3e-4, retrieval=(8192,), rope_theta=200_000.0),
         # The raised RoPE base moves the reasoning lookup's fixed offset, and the long phase has no reasoning rows:
         # GQA's held-out cell accuracy fell from 1.00 (step 1000) to 0.08 (step 1175), and 65 anneal steps at
-        # <= 2e-4 did not bring it back. Reasoning rows at the new base re-form it in a few dozen steps (pilot from
-        # that state, lr 1e-3: cell 0.56 after 20 steps, 0.96 after 40), so they come back before the anneal.
+        # <= 2e-4 did not bring it back. Reasoning rows at the new base bring most of it back, not all (pilots from
+        # that state, lr 1e-3: cell 0.56 after 20 steps, 0.96 after 40, 0.98-0.99 after 80-100; 40 re-warm + 60
+        # anneal steps, with or without reasoning rows in the anneal: 0.97, no 40-row item whole). Not settled:
+        # decide at step 1050 (kept state) between this and a long phase at the unchanged base (see the v2 notes).
         Phase("rewarm", 60, 2560, "rk", 1e-3, 1e-3, max_rows=99, retrieval=(1024, 2560)),
         Phase("anneal", 200, 2560, "ok", 2e-4, 2e-5, max_rows=99, retrieval=(1024, 2560), span=16384),
     )
