@@ -53,19 +53,14 @@ def summary_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
 
 
 def goals_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
-    """The long-context goals at 8K as met / missed / not measured, from the retrieval records (``--goals``)."""
+    """The long-context goals at 8K as met / missed / not measured, from the retrieval records (``--goals``): the
+    report's goals table."""
     from kvarn_mla.report import method_bytes
-    from kvarn_mla.report.long_context import GOAL_CONTEXT, goals
+    from kvarn_mla.report.long_context import goal_lines, goal_sizes, goals, retrieval_verdicts
 
-    lines = ["| model | goal | met | evidence |", "|---|---|---|---|"]
-    for model in models:
-        summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
-        rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
-        sizes = {m: b for m, row in rows.items() if (b := method_bytes(model, m, row))}
-        for g in goals(accuracy, model, sizes):
-            verdict = "not measured" if g.met is None else "met" if g.met else "missed"
-            lines.append(f"| {model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
-    return "\n".join(lines)
+    found = [g for model in models for g in goals(model, retrieval_verdicts(accuracy, model),
+                                                 goal_sizes(accuracy, model, method_bytes))]
+    return "\n".join(goal_lines(found))
 
 
 def main(argv: list[str] | None = None) -> int:

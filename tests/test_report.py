@@ -186,7 +186,7 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     meets goal 1; kivi-2 right on 30 items more than KVarN and kvarn-vn at 2 bits is a significant loss (goal 3
     missed, named); MLA's best method at >= 4x fewer bytes decides goal 2; a model without 8K records is not
     measured."""
-    from kvarn_mla.report.long_context import goals, long_context_section
+    from kvarn_mla.report.long_context import goals, long_context_section, retrieval_verdicts
 
     accuracy = tmp_path / "accuracy"
     accuracy.mkdir()
@@ -203,14 +203,14 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     write_verdicts(accuracy / "gqa-reasoning-tf.jsonl", {"fp32": ok(80), "kvarn-4": ok(78)},
                    lengths=[300 + 20 * i for i in range(n)])
 
-    found = {g.goal: g for g in goals(accuracy, "mla", sizes)}
+    found = {g.goal: g for g in goals("mla", retrieval_verdicts(accuracy, "mla"), sizes)}
     assert found["kvarn-4 within 2 points of 16-bit"].met is True
     compressed = found[">= 4x fewer bytes within 2 points"]  # only the 2-bit methods reach 600 / 4 = 150 B
     assert compressed.met is False and "kivi-2" in compressed.evidence
     baselines = found["baselines: no significant loss of KVarN/kvarn-vn"]
     assert baselines.met is False and "kvarnvn-2 vs kivi-2: -30" in baselines.evidence
     assert "rot-4" not in baselines.evidence  # 1 item apart: not significant
-    assert all(g.met is None for g in goals(accuracy, "gqa", {}))
+    assert all(g.met is None for g in goals("gqa", retrieval_verdicts(accuracy, "gqa"), {}))
 
     lines, _, discussion = long_context_section(accuracy, tmp_path,
                                                 lambda model, method, row: row.get("bytes_per_token_4k"))

@@ -75,13 +75,14 @@ def compare(a: dict[str, bool], b: dict[str, bool], partner: str) -> Comparison:
     return Comparison(partner, only_a, only_b, mcnemar_exact(only_a, only_b))
 
 
-def paired_rows(verdicts: dict[str, dict[str, bool]]) -> list[PairedRow]:
-    """For each method: exact match with its Wilson interval, and the exact McNemar comparison with ``kvarn-B`` and
-    ``rot-B`` at its bit width B where those ran (itself excluded)."""
+def paired_rows(verdicts: dict[str, dict[str, bool]], also: tuple[str, ...] = ()) -> list[PairedRow]:
+    """For each method: exact match with its Wilson interval, and the exact McNemar comparison with each method of
+    ``also`` (e.g. the 16-bit reference) and with ``kvarn-B`` and ``rot-B`` at its bit width B, where those ran
+    (itself excluded)."""
     rows = []
     for method, mine in verdicts.items():
         bits = bits_of(method)
-        partners = [f"{family}-{bits}" for family in PARTNERS] if bits is not None else []
+        partners = [*also, *([f"{family}-{bits}" for family in PARTNERS] if bits is not None else [])]
         comparisons = tuple(compare(mine, verdicts[p], p) for p in partners if p in verdicts and p != method)
         correct = sum(mine.values())
         rows.append(PairedRow(method, len(mine), correct, wilson_interval(correct, len(mine)), comparisons))

@@ -309,11 +309,13 @@ def run(
     keys = None if items is None else {it.id for it in items}
     if compute and mode == "teacher-forced":  # item by item, the KVarN methods sharing each item's prefill
         digests = {it.id: item_digest(it) for it in items}
-        todo = [(m, it) for it in items for m in methods if not log.done(m, it.id, digests[it.id])]
-        pairs = {(m.name, it.id) for m, it in todo}
-        progress = tqdm(total=len(todo), desc=f"{suite} (teacher-forced)", unit="score")
-        for method, record in teacher_forced_grid(model, tokenizer, items, methods,
-                                                  skip=lambda m, it: (m.name, it.id) not in pairs):
+
+        def done(method: Method, item) -> bool:  # asked before an item is scored, never after
+            return log.done(method, item.id, digests[item.id])
+
+        progress = tqdm(total=sum(not done(m, it) for it in items for m in methods),
+                        desc=f"{suite} (teacher-forced)", unit="score")
+        for method, record in teacher_forced_grid(model, tokenizer, items, methods, skip=done):
             log.add(method, record["id"], record, item=digests[record["id"]])
             progress.update()
         progress.close()

@@ -213,22 +213,22 @@ def teacher_forced_grid(
             with method.applied(model):
                 cache = method.new_cache(model)
                 replayable = method.kind == "kvarn" and all(type(layer) is KVarNLayer for layer in cache.layers)
-                if replayable and shared is not None:
+                if not replayable:
+                    first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
+                elif shared is None:
+                    states = _record_updates(cache)
+                    try:
+                        first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
+                    finally:
+                        for layer in cache.layers:
+                            del layer.update  # the recording wrapper (an instance attribute)
+                    shared = first, states
+                else:
                     first, states = shared
                     for layer, calls in zip(cache.layers, states):
                         for key_states, value_states in calls:
                             layer.update(key_states, value_states)
                     cache.flush()
-                else:
-                    states = _record_updates(cache) if replayable else None
-                    try:
-                        first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
-                    finally:
-                        if replayable:
-                            for layer in cache.layers:
-                                del layer.update  # the recording wrapper (an instance attribute)
-                    if replayable:
-                        shared = first, states
                 yield method, _score_target(model, method, cache, item, ids, prompt.shape[1], first)
 
 

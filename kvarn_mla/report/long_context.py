@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..evaluation.checkers import wilson_interval
-from ..evaluation.paired import bits_of, compare, load_verdicts
+from ..evaluation.paired import Comparison, bits_of, compare, load_verdicts, paired_rows
 from .charts import context_chart
 
 GOAL_CONTEXT = 8192  # the context at which the goals are stated
@@ -25,17 +25,27 @@ FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 # How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
 # results written before that call it "bf16" whatever the dtype.
 REFERENCE_LABELS = ("fp32", "bf16", "fp16")
+Verdicts = dict[str, dict[str, bool]]  # {method: {item: verdict}} (`evaluation.paired.load_verdicts`)
 LENGTH_BINS = (0, 500, 1000, 1500, 2000)  # reasoning scratchpad length bins (target tokens): [a, b), last open
 
 
-def retrieval_files(accuracy: Path, model: str) -> dict[int, Path]:
-    """``{context: records}`` of a model's retrieval suites, by increasing context."""
+def retrieval_verdicts(accuracy: Path, model: str) -> dict[int, Verdicts]:
+    """``{context: {method: {item: verdict}}}`` of a model's retrieval records, by increasing context (each file
+    read once; the goals, tables and discussion all work from this)."""
     found = {}
     for path in accuracy.glob(f"{model}-retrieval-*.jsonl"):
         match = re.fullmatch(rf"{model}-retrieval-(\d+)\.jsonl", path.name)
         if match:
-            found[int(match.group(1))] = path
+            found[int(match.group(1))] = load_verdicts(path)
     return dict(sorted(found.items()))
+
+
+def goal_sizes(accuracy: Path, model: str, bytes_of) -> dict[str, float]:
+    """``{method: bytes per token}`` of the methods in a model's `GOAL_CONTEXT` retrieval summary, by ``bytes_of(model,
+    method, row)`` (the report's `method_bytes`)."""
+    summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
+    rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
+    return {m: b for m, row in rows.items() if (b := bytes_of(model, m, row))}
 
 
 def reference_of(verdicts: dict) -> str | None:
@@ -43,7 +53,11 @@ def reference_of(verdicts: dict) -> str | None:
     return next((label for label in REFERENCE_LABELS if label in verdicts), None)
 
 
-def curve_points(per_x: dict[int, dict[str, dict[str, bool]]]) -> dict[str, list[tuple[int, int, int]]]:
+def _rate(items: dict[str, bool]) -> float:
+    return sum(items.values()) / len(items) if items else 0.0
+
+
+def curve_points(per_x: dict[int, Verdicts]) -> dict[str, list[tuple[int, int, int]]]:
     """``{method: [(x, correct, n)]}`` from ``{x: {method: {item: verdict}}}``."""
     curves: dict[str, list[tuple[int, int, int]]] = {}
     for x, verdicts in per_x.items():
@@ -52,9 +66,9 @@ def curve_points(per_x: dict[int, dict[str, dict[str, bool]]]) -> dict[str, list
     return curves
 
 
-def length_verdicts(records: Path, bins=LENGTH_BINS) -> dict[int, dict[str, dict[str, bool]]]:
+def length_verdicts(records: Path, bins=LENGTH_BINS) -> dict[int, Verdicts]:
     """Teacher-forced reasoning verdicts grouped by target length: ``{bin start: {method: {item: verdict}}}``."""
-    grouped: dict[int, dict[str, dict[str, bool]]] = {}
+    grouped: dict[int, Verdicts] = {}
     for line in records.read_text().splitlines():
         if not line.strip():
             continue
@@ -80,22 +94,25 @@ def curve_table(curves: dict[str, list[tuple[int, int, int]]], xs: list[int], la
     return lines
 
 
-def paired_table(verdicts: dict[str, dict[str, bool]]) -> list[str]:
-    """Each method against KVarN (``kvarn-B``) and rotation-only (``rot-B``) at its bit width, and against the 16-bit
-    reference: items right only with the method minus only with the partner, and the exact McNemar p-value."""
+def comparison_cell(c: Comparison | None) -> str:
+    """A paired comparison as a table cell: items right only with the method minus only with the partner, and the
+    exact McNemar p-value (bold below 0.05); ``-`` when the partner did not run."""
+    if c is None:
+        return "-"
+    text = f"{c.difference:+d} (p = {c.p_value:.2g})"
+    return f"**{text}**" if c.p_value < 0.05 else text
+
+
+def paired_table(verdicts: Verdicts) -> list[str]:
+    """Each method against the 16-bit reference, KVarN (``kvarn-B``) and rotation-only (``rot-B``) at its bit width
+    (`evaluation.paired.paired_rows`)."""
     reference = reference_of(verdicts)
     lines = ["| method | vs 16-bit | vs kvarn-B | vs rot-B |", "|---|---|---|---|"]
-    for method, mine in verdicts.items():
-        bits = bits_of(method)
-        cells = []
-        for partner in (reference, f"kvarn-{bits}" if bits else None, f"rot-{bits}" if bits else None):
-            if partner is None or partner == method or partner not in verdicts:
-                cells.append("-")
-                continue
-            c = compare(mine, verdicts[partner], partner)
-            text = f"{c.difference:+d} (p = {c.p_value:.2g})"
-            cells.append(f"**{text}**" if c.p_value < 0.05 else text)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    for row in paired_rows(verdicts, also=(reference,) if reference else ()):
+        by_partner = {c.partner: c for c in row.comparisons}
+        bits = bits_of(row.method)
+        partners = (reference, *(f"{family}-{bits}" if bits else None for family in ("kvarn", "rot")))
+        lines.append(f"| {row.method} | " + " | ".join(comparison_cell(by_partner.get(p)) for p in partners) + " |")
     return lines
 
 
@@ -109,8 +126,8 @@ class Goal:
     evidence: str
 
 
-def goals(accuracy: Path, model: str, bytes_per_token: dict[str, float]) -> list[Goal]:
-    """The three goals at `GOAL_CONTEXT` on ``model``'s retrieval records.
+def goals(model: str, per_context: dict[int, Verdicts], bytes_per_token: dict[str, float]) -> list[Goal]:
+    """The three goals at `GOAL_CONTEXT` on ``model``'s retrieval records (`retrieval_verdicts`).
 
     1. KVarN 4-bit (``kvarn-4``) within 2 points of 16-bit;
     2. (MLA) some method at >= 4x fewer bytes per token than 16-bit within 2 points;
@@ -118,20 +135,20 @@ def goals(accuracy: Path, model: str, bytes_per_token: dict[str, float]) -> list
        bytes up to the per-tile metadata): no significant paired loss (McNemar p < 0.05) of the better of the two.
 
     Args:
-        bytes_per_token: ``{method: bytes per token}`` (the summary's ``bytes_per_token_4k``: the report's
-            convention; at 8K a KVarN cache is slightly smaller, its sink and tail amortized over more tokens).
+        bytes_per_token: ``{method: bytes per token}`` (`goal_sizes`: the summary's ``bytes_per_token_4k``, the
+            report's convention; at 8K a KVarN cache is slightly smaller, its sink and tail amortized over more
+            tokens).
     """
-    path = retrieval_files(accuracy, model).get(GOAL_CONTEXT)
+    verdicts = per_context.get(GOAL_CONTEXT)
     names = ["kvarn-4 within 2 points of 16-bit", "baselines: no significant loss of KVarN/kvarn-vn"]
     if model == "mla":
         names.insert(1, f">= {GOAL_COMPRESSION:.0f}x fewer bytes within 2 points")
-    if path is None:
+    if verdicts is None:
         return [Goal(model, name, None, f"no {model}-retrieval-{GOAL_CONTEXT}.jsonl") for name in names]
-    verdicts = load_verdicts(path)
     reference = reference_of(verdicts)
     if reference is None:
         return [Goal(model, name, None, "no 16-bit reference in the records") for name in names]
-    accuracy_of = {m: sum(v.values()) / len(v) for m, v in verdicts.items() if v}
+    accuracy_of = {m: _rate(v) for m, v in verdicts.items() if v}
     ref = accuracy_of[reference]
     out = []
     if "kvarn-4" in accuracy_of:
@@ -169,6 +186,15 @@ def goals(accuracy: Path, model: str, bytes_per_token: dict[str, float]) -> list
     return out
 
 
+def goal_lines(found: list[Goal]) -> list[str]:
+    """The goals as a Markdown table (the report's and ``benchmarks/accuracy.py --goals``)."""
+    lines = ["| model | goal | met | evidence |", "|---|---|---|---|"]
+    for g in found:
+        verdict = "not measured" if g.met is None else "met" if g.met else "**missed**"
+        lines.append(f"| {g.model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
+    return lines
+
+
 def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str], list[Goal], list[str]]:
     """The report's accuracy-vs-context section (with a chart per model), the goals, and the discussion lines
     (`context_discussion`).
@@ -183,25 +209,25 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
              "match (Wilson 95% interval, items). Paired columns: items right only with the method minus only with "
              "the partner, exact McNemar p (bold below 0.05).\n"]
     found_goals: list[Goal] = []
+    per_model: dict[str, dict[int, Verdicts]] = {}
     sizes_of: dict[str, dict[str, float]] = {}
     for model in ("mha", "gqa", "mla"):
         family = FAMILY_OF[model]
-        files = retrieval_files(accuracy, model)
-        if files:
-            per_context = {n: load_verdicts(path) for n, path in files.items()}
+        per_context = retrieval_verdicts(accuracy, model)
+        if per_context:
+            per_model[model] = per_context
             curves = curve_points(per_context)
             chart = f"context_{model}.png"
             context_chart(curves, f"{family} reference model: retrieval exact match vs context", "context (tokens)",
                           out / chart)
             lines += [f"### {family}: retrieval vs context (`results/accuracy/{model}-retrieval-N.jsonl`)\n",
-                      *curve_table(curves, list(files), lambda n: f"{n // 1024}K"), "", f"![{chart[:-4]}]({chart})\n"]
+                      *curve_table(curves, list(per_context), lambda n: f"{n // 1024}K"), "",
+                      f"![{chart[:-4]}]({chart})\n"]
             for n, verdicts in per_context.items():
-                if n in (GOAL_CONTEXT, max(files)):
+                if n in (GOAL_CONTEXT, max(per_context)):
                     lines += [f"#### {family}: retrieval at {n:,} tokens, paired\n", *paired_table(verdicts), ""]
-            summary = accuracy / f"{model}-retrieval-{GOAL_CONTEXT}.json"
-            rows = json.loads(summary.read_text())["methods"] if summary.exists() else {}
-            sizes_of[model] = {m: b for m, row in rows.items() if (b := bytes_of(model, m, row))}
-            found_goals += goals(accuracy, model, sizes_of[model])
+            sizes_of[model] = goal_sizes(accuracy, model, bytes_of)
+            found_goals += goals(model, per_context, sizes_of[model])
         tf = accuracy / f"{model}-reasoning-tf.jsonl"
         if tf.is_file():
             per_length = length_verdicts(tf)
@@ -214,34 +240,28 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
                       f"#### {family}: reasoning (teacher-forced, all lengths), paired\n",
                       *paired_table(load_verdicts(tf)), ""]
     if found_goals:
-        lines += [f"### Goals at {GOAL_CONTEXT:,} tokens\n", "| model | goal | met | evidence |", "|---|---|---|---|"]
-        for g in found_goals:
-            verdict = "not measured" if g.met is None else "met" if g.met else "**missed**"
-            lines.append(f"| {g.model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
-        lines.append("")
+        lines += [f"### Goals at {GOAL_CONTEXT:,} tokens\n", *goal_lines(found_goals), ""]
     if len(lines) == 2:
         lines.append("No long-context records under `results/accuracy/` yet (the sweep's `retrieval-N` and "
                      "`reasoning-tf` suites).\n")
-    return lines, found_goals, context_discussion(accuracy, sizes_of)
+    return lines, found_goals, context_discussion(per_model, sizes_of)
 
 
-def context_discussion(accuracy: Path, bytes_per_token: dict[str, dict[str, float]]) -> list[str]:
+def context_discussion(per_model: dict[str, dict[int, Verdicts]],
+                       bytes_per_token: dict[str, dict[str, float]]) -> list[str]:
     """Discussion lines from the long-context records: how 16-bit and each quantizer pair (KVarN vs rotation-only,
     KVarN vs KIVI-style, kvarn-vn vs KVarN) change with context, and whether another preset than the default
     ``k4v2`` is better at 8K on every model (significantly, at no more bytes).
 
     Args:
+        per_model: ``{model: retrieval_verdicts(...)}``.
         bytes_per_token: ``{model: {method: bytes per token}}``.
     """
     lines: list[str] = []
     better_than_default: dict[str, set[str]] = {}
-    for model in ("mha", "gqa", "mla"):
-        files = retrieval_files(accuracy, model)
-        if not files:
-            continue
-        per_context = {n: load_verdicts(path) for n, path in files.items()}
+    for model, per_context in per_model.items():
         reference = {n: reference_of(v) for n, v in per_context.items()}
-        ref = ", ".join(f"{_accuracy(v[reference[n]]):.0%} at {n // 1024}K" for n, v in per_context.items()
+        ref = ", ".join(f"{_rate(v[reference[n]]):.0%} at {n // 1024}K" for n, v in per_context.items()
                         if reference[n])
         pairs = []
         for bits in (4, 3, 2):
@@ -273,7 +293,3 @@ def context_discussion(accuracy: Path, bytes_per_token: dict[str, dict[str, floa
                f"model: {', '.join(f'{FAMILY_OF[m]} {len(s)}' for m, s in better_than_default.items())}); k4v2 "
                "stays the default."))
     return lines
-
-
-def _accuracy(items: dict[str, bool]) -> float:
-    return sum(items.values()) / len(items) if items else 0.0
