@@ -186,7 +186,7 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     meets goal 1; kivi-2 right on 30 items more than KVarN and kvarn-vn at 2 bits is a significant loss (goal 3
     missed, named); MLA's best method at >= 4x fewer bytes decides goal 2; a model without 8K records is not
     measured."""
-    from kvarn_mla.report.long_context import goals, long_context_section, retrieval_verdicts
+    from kvarn_mla.report.long_context import goal_lines, goals, long_context_section, retrieval_verdicts
 
     accuracy = tmp_path / "accuracy"
     accuracy.mkdir()
@@ -211,6 +211,13 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     assert baselines.met is False and "kvarnvn-2 vs kivi-2: -30" in baselines.evidence
     assert "rot-4" not in baselines.evidence  # 1 item apart: not significant
     assert all(g.met is None for g in goals("gqa", retrieval_verdicts(accuracy, "gqa"), {}))
+    # a model that does not retrieve at 8K: every method is "within 2 points" of 0%, so no goal is judged
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    write_verdicts(failing / "mha-retrieval-8192.jsonl", {"fp32": ok(3), "kvarn-4": ok(3), "kivi-4": ok(0)})
+    failed = goals("mha", retrieval_verdicts(failing, "mha"), {})
+    assert all(g.met is None and not g.judged and "3/100" in g.evidence for g in failed)
+    assert all("| no verdict |" in line for line in goal_lines(failed)[2:])
 
     lines, _, discussion = long_context_section(accuracy, tmp_path,
                                                 lambda model, method, row: row.get("bytes_per_token_4k"))

@@ -21,6 +21,9 @@ from .charts import context_chart
 GOAL_CONTEXT = 8192  # the context at which the goals are stated
 GOAL_POINTS = 0.02  # "within 2 points"
 GOAL_COMPRESSION = 4.0  # "at >= 4x fewer bytes than 16-bit"
+# The goals ask whether quantization keeps what the model can do: below half the items at 16 bits there is too little
+# to lose (at 0% every method is trivially "within 2 points"), so no verdict is given and the evidence says why.
+REFERENCE_FLOOR = 0.5
 FAMILY_OF = {"mha": "MHA", "gqa": "GQA", "mla": "MLA"}
 # How results label the unquantized reference: by the model's dtype (fp32, bf16, fp16; `evaluation.methods`);
 # results written before that call it "bf16" whatever the dtype.
@@ -118,12 +121,14 @@ def paired_table(verdicts: Verdicts) -> list[str]:
 
 @dataclass(frozen=True)
 class Goal:
-    """One long-context goal on one model: ``met`` is None when the records to judge it are missing."""
+    """One long-context goal on one model: ``met`` is None when the records to judge it are missing, or when the
+    16-bit model itself solves fewer than `REFERENCE_FLOOR` of the items (``judged`` False)."""
 
     model: str
     goal: str
     met: bool | None
     evidence: str
+    judged: bool = True
 
 
 def goals(model: str, per_context: dict[int, Verdicts], bytes_per_token: dict[str, float]) -> list[Goal]:
@@ -150,6 +155,10 @@ def goals(model: str, per_context: dict[int, Verdicts], bytes_per_token: dict[st
         return [Goal(model, name, None, "no 16-bit reference in the records") for name in names]
     accuracy_of = {m: _rate(v) for m, v in verdicts.items() if v}
     ref = accuracy_of[reference]
+    if ref < REFERENCE_FLOOR:
+        why = (f"16-bit solves {sum(verdicts[reference].values())}/{len(verdicts[reference])} items ({ref:.1%}), "
+               f"below {REFERENCE_FLOOR:.0%}: the model does not do the task at {GOAL_CONTEXT:,} tokens")
+        return [Goal(model, name, None, why, judged=False) for name in names]
     out = []
     if "kvarn-4" in accuracy_of:
         gap = accuracy_of["kvarn-4"] - ref
@@ -190,7 +199,7 @@ def goal_lines(found: list[Goal]) -> list[str]:
     """The goals as a Markdown table (the report's and ``benchmarks/accuracy.py --goals``)."""
     lines = ["| model | goal | met | evidence |", "|---|---|---|---|"]
     for g in found:
-        verdict = "not measured" if g.met is None else "met" if g.met else "**missed**"
+        verdict = "met" if g.met else "**missed**" if g.met is False else "not measured" if g.judged else "no verdict"
         lines.append(f"| {g.model.upper()} | {g.goal} | {verdict} | {g.evidence} |")
     return lines
 
