@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..evaluation.checkers import wilson_interval
-from ..evaluation.paired import Comparison, bits_of, compare, load_verdicts, paired_rows
+from ..evaluation.paired import PARTNERS, Comparison, bits_of, compare, load_verdicts, paired_rows
 from .charts import context_chart
 
 GOAL_CONTEXT = 8192  # the context at which the goals are stated
@@ -110,11 +110,12 @@ def paired_table(verdicts: Verdicts) -> list[str]:
     """Each method against the 16-bit reference, KVarN (``kvarn-B``) and rotation-only (``rot-B``) at its bit width
     (`evaluation.paired.paired_rows`)."""
     reference = reference_of(verdicts)
-    lines = ["| method | vs 16-bit | vs kvarn-B | vs rot-B |", "|---|---|---|---|"]
+    lines = ["| method | vs 16-bit | " + " | ".join(f"vs {family}-B" for family in PARTNERS) + " |",
+             "|---|---|" + "---|" * len(PARTNERS)]
     for row in paired_rows(verdicts, also=(reference,) if reference else ()):
         by_partner = {c.partner: c for c in row.comparisons}
         bits = bits_of(row.method)
-        partners = (reference, *(f"{family}-{bits}" if bits else None for family in ("kvarn", "rot")))
+        partners = (reference, *(f"{family}-{bits}" if bits else None for family in PARTNERS))
         lines.append(f"| {row.method} | " + " | ".join(comparison_cell(by_partner.get(p)) for p in partners) + " |")
     return lines
 
