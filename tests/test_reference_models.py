@@ -307,6 +307,9 @@ def _summarize_the_shipped_run(results):
         summarize.fill("RESULTS\n\nPILOTS\n", runs)
     with pytest.raises(ValueError, match="results missing: mha"):
         summarize.fill("RESULTS\n", {n: m for n, m in runs.items() if n != "mha"})
+    subset = summarize.load_runs(results, ("gqa", "mha"))  # a bundle whose MLA is of another recipe
+    assert list(subset) == ["gqa", "mha"]
+    assert "| mla |" not in summarize.fill("TABLE_MODELS\n", subset, ("gqa", "mha"))
 
 
 def test_accumulation_texts_of_the_reasoning_task():

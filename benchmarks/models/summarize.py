@@ -5,7 +5,8 @@
 
 ``--readme`` fills a template: a line ``TABLE_MODELS`` becomes the models and training tables, ``RECIPE`` the phase
 table, ``RESULTS`` the held-out tables; it refuses while a model's results or evaluations are missing, or while the
-template still holds another all-capitals placeholder line (prose to write by hand).
+template still holds another all-capitals placeholder line (prose to write by hand). ``--models gqa,mha`` tables
+those models only (while the third ships a checkpoint of another recipe, which the template then describes).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def table(header: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def load_runs(results: Path = RESULTS) -> dict[str, dict]:
-    """``{name: metrics}`` of the models with a results file."""
-    return {n: json.loads((results / f"{n}.json").read_text()) for n in NAMES if (results / f"{n}.json").exists()}
+def load_runs(results: Path = RESULTS, names: tuple[str, ...] = NAMES) -> dict[str, dict]:
+    """``{name: metrics}`` of the models among ``names`` with a results file."""
+    return {n: json.loads((results / f"{n}.json").read_text()) for n in names if (results / f"{n}.json").exists()}
 
 
 def models_section(runs: dict[str, dict]) -> None:
@@ -245,7 +246,9 @@ def results_section(runs: dict[str, dict]) -> None:
             cells = []
             for m in runs.values():
                 h = next((h for h in m["history"] if h["step"] == st and "tf_acc_cell" in h), None)
-                cells.append(f"{h['tf_acc_cell']:.3f} / " + " / ".join(f"{h[k]:.2f}" for k in keys) if h else "")
+                # the monitored retrieval contexts differ between phases: a context not monitored at a step is "-"
+                retrieval_cells = (f"{h[k]:.2f}" if k in h else "-" for k in keys)
+                cells.append(f"{h['tf_acc_cell']:.3f} / " + " / ".join(retrieval_cells) if h else "")
             phase = next(h["phase"] for m in runs.values() for h in m["history"] if h["step"] == st)
             rows.append([str(st), phase, *cells])
         table(["step", "phase", *runs], rows)
@@ -254,13 +257,13 @@ def results_section(runs: dict[str, dict]) -> None:
 SECTIONS = {"TABLE_MODELS": models_section, "RECIPE": recipe_section, "RESULTS": results_section}
 
 
-def fill(template: str, runs: dict[str, dict]) -> str:
-    """``template`` with each placeholder line of :data:`SECTIONS` replaced by its tables.
+def fill(template: str, runs: dict[str, dict], names: tuple[str, ...] = NAMES) -> str:
+    """``template`` with each placeholder line of :data:`SECTIONS` replaced by the tables of ``names``.
 
     Raises:
         ValueError: a model's results or evaluations are missing, or another placeholder line remains.
     """
-    absent = [n for n in NAMES if n not in runs]
+    absent = [n for n in names if n not in runs]
     lacking = [
         f"{n}: {k}"
         for n, m in runs.items()
@@ -287,14 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="directory of <name>.json (default: committed)")
     parser.add_argument("--readme", type=Path, help="a README template to fill (see the module docstring)")
+    parser.add_argument("--models", type=lambda s: tuple(s.split(",")), default=NAMES,
+                        help=f"the models to table (default {','.join(NAMES)})")
     args = parser.parse_args(argv)
-    runs = load_runs(args.results)
+    unknown = sorted(set(args.models) - set(NAMES))
+    if unknown:
+        parser.error(f"--models {','.join(unknown)}: expected some of {', '.join(NAMES)}")
+    runs = load_runs(args.results, args.models)
     if not runs:
         print(f"no results in {args.results}", file=sys.stderr)
         return 2
     if args.readme:
         try:
-            print(fill(args.readme.read_text(), runs), end="")
+            print(fill(args.readme.read_text(), runs, args.models), end="")
         except ValueError as error:
             print(f"summarize: {error}", file=sys.stderr)
             return 2
