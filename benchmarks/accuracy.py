@@ -63,6 +63,82 @@ def goals_table(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     return "\n".join(goal_lines(found))
 
 
+def _paired_cell(c) -> str:
+    """A comparison as ``+d, p P`` (``p`` left out below 1e-4), bold when significant; empty when it did not run."""
+    if c is None:
+        return ""
+    text = f"{c.difference:+d}" + (f", p {c.p_value:.2g}" if c.p_value >= 1e-4 else "")
+    return f"**{text}**" if c.p_value < 0.05 else text
+
+
+def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
+    """The long-context tables of benchmarks/README.md, from the records and summaries (``--long-summary``):
+    ``reasoning-tf`` right of N (Wilson 95%) and paired against 16-bit, ``kvarn-B`` and ``rot-B`` for the models
+    side by side; right per scratchpad-length bin; ``accumulation-long`` mean KL per quarter of the text (and the
+    static cache's last quarter)."""
+    from kvarn_mla.evaluation.checkers import wilson_interval
+    from kvarn_mla.evaluation.paired import PARTNERS, bits_of, load_verdicts, paired_rows
+    from kvarn_mla.report.long_context import length_verdicts, reference_of
+
+    def right(items: dict[str, bool]) -> str:
+        low, high = wilson_interval(sum(items.values()), len(items))
+        return f"{sum(items.values())} ({low:.0%}-{high:.0%})"
+
+    records = {m: accuracy / f"{m}-reasoning-tf.jsonl" for m in models}
+    records = {m: path for m, path in records.items() if path.exists()}
+    lines = []
+    if records:
+        cells: dict[str, dict[str, list[str]]] = {}
+        for model, path in records.items():
+            verdicts = load_verdicts(path)
+            reference = reference_of(verdicts)
+            cells.setdefault("16-bit", {})[model] = [right(verdicts[reference]), "", "", ""]
+            for row in paired_rows(verdicts, also=(reference,)):
+                if row.method == reference:
+                    continue
+                by_partner = {c.partner: c for c in row.comparisons}
+                bits = bits_of(row.method)
+                partners = (reference, *(f"{family}-{bits}" if bits else None for family in PARTNERS))
+                cells.setdefault(row.method, {})[model] = [right(verdicts[row.method]),
+                                                           *(_paired_cell(by_partner.get(p)) for p in partners)]
+        n = {model: len(next(iter(load_verdicts(path).values()))) for model, path in records.items()}
+        lines += ["| method | " + " | ".join(f"{m.upper()}: right of {n[m]} | vs 16-bit | vs kvarn-B | vs rot-B"
+                                           for m in records) + " |", "|---|" + "---|" * (4 * len(records))]
+        lines += [f"| {method} | " + " | ".join(" | ".join(row.get(m, [""] * 4)) for m in records) + " |"
+                  for method, row in cells.items()]
+        for model, path in records.items():
+            bins = length_verdicts(path)
+            every = list(dict.fromkeys(m for by_method in bins.values() for m in by_method))
+            methods = [m for m in every if any(sum(b.get(m, {}).values()) for b in bins.values())]
+            starts = list(bins)
+            labels = [f"{a:,}-{b - 1:,}" if a else f"< {b:,}" for a, b in zip(starts, starts[1:])]
+            labels.append(f"≥ {starts[-1]:,}")
+            lines += ["", f"{model.upper()}, right per scratchpad length (generated tokens):", "",
+                      "| tokens | n | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+            lines += [f"| {label} | {len(next(iter(by_method.values())))} | "
+                      + " | ".join(str(sum(by_method.get(m, {}).values())) for m in methods) + " |"
+                      for label, by_method in zip(labels, bins.values())]
+            if len(methods) < len(every):
+                lines += ["", "Right on no item: " + ", ".join(m for m in every if m not in methods) + "."]
+    for model in models:
+        path = accuracy / f"{model}-accumulation-long.json"
+        if not path.exists():
+            continue
+        lines += ["", f"{model.upper()}, accumulation-long: mean KL to 16-bit per quarter of the text "
+                  "(accumulated cache; static: the cache holds the reference's K/V):", "",
+                  "| method | 1st quarter | 2nd | 3rd | 4th | 4th, static | top-1 agreement |",
+                  "|---|---|---|---|---|---|---|"]
+        for method, row in json.loads(path.read_text())["methods"].items():
+            if "kl_curve" not in row:
+                continue
+            curve, static, q = row["kl_curve"], row.get("kl_curve_static"), len(row["kl_curve"]) // 4
+            quarters = [sum(curve[i * q:(i + 1) * q]) / q for i in range(4)]
+            last_static = f"{sum(static[3 * q:4 * q]) / q:.4f}" if static else "-"
+            lines.append(f"| {method} | " + " | ".join(f"{x:.4f}" for x in quarters)
+                         + f" | {last_static} | {row['top1_mean']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mla,gqa,mha",
@@ -80,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
     parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
+    parser.add_argument("--long-summary", action="store_true",
+                        help="only print the README's long-chain reasoning and accumulation-long tables")
     args = parser.parse_args(argv)
     if args.goals:
         print(goals_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
         return 0
     if args.summary:
         print(summary_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
+        return 0
+    if args.long_summary:
+        print(long_summary(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
         return 0
     torch.set_num_threads(args.threads)
     try:

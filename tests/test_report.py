@@ -233,3 +233,32 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     assert "### GQA: reasoning by scratchpad length" in text and "≥1500" in text
     assert (tmp_path / "context_mla.png").stat().st_size > 0 and (tmp_path / "length_gqa.png").stat().st_size > 0
     assert "| MLA | kvarn-4 within 2 points of 16-bit | met |" in text
+
+
+def test_long_summary_pairs_lengths_and_quarters(tmp_path):
+    """accuracy.py --long-summary: right of N with the paired cells (16-bit, kvarn-B, rot-B; bold when significant),
+    right per scratchpad-length bin with the methods right on no item named, and KL per quarter of the text."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("accuracy_script", root / "benchmarks" / "accuracy.py")
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    n = 40
+    ok = lambda right: [i < right for i in range(n)]  # noqa: E731 (items 0..right-1 right: nested sets)
+    lengths = [400 + 50 * i for i in range(n)]  # 400 .. 2,350 generated tokens
+    write_verdicts(tmp_path / "gqa-reasoning-tf.jsonl",
+                   {"fp32": ok(36), "kvarn-4": ok(35), "rot-4": ok(20), "kvarn-2": ok(0)}, lengths)
+    curve = [0.1] * 4 + [0.2] * 4 + [0.3] * 4 + [0.4] * 4
+    (tmp_path / "gqa-accumulation-long.json").write_text(json.dumps({"methods": {
+        "fp32": {}, "kvarn-4": {"kl_curve": curve, "kl_curve_static": [x / 2 for x in curve], "top1_mean": 0.9}}}))
+    text = accuracy.long_summary(tmp_path, ("gqa", "mla"))
+    assert "| method | GQA: right of 40 | vs 16-bit | vs kvarn-B | vs rot-B |" in text and "MLA" not in text
+    assert "| 16-bit | 36 (" in text
+    assert "| kvarn-4 | 35 (74%-95%) | -1, p 1 |  | **+15** |" in text  # 15 items only with kvarn-4: p < 1e-4
+    assert "| rot-4 | 20 (35%-65%) | **-16** | **-15** |  |" in text
+    assert "| kvarn-2 | 0 (0%-9%) | **-36** |  |  |" in text  # no partner at 2 bits ran
+    assert "| tokens | n | fp32 | kvarn-4 | rot-4 |" in text and "Right on no item: kvarn-2." in text
+    assert "| < 500 | 2 | 2 | 2 | 2 |" in text and "| 1,500-1,999 | 10 | 10 | 10 | 0 |" in text
+    assert "| ≥ 2,000 | 8 | 4 | 3 | 0 |" in text
+    assert "| kvarn-4 | 0.1000 | 0.2000 | 0.3000 | 0.4000 | 0.2000 | 0.900 |" in text
