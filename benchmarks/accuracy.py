@@ -77,8 +77,8 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     side by side; right per scratchpad-length bin; ``accumulation-long`` mean KL per quarter of the text (and the
     static cache's last quarter)."""
     from kvarn_mla.evaluation.checkers import wilson_interval
-    from kvarn_mla.evaluation.paired import PARTNERS, bits_of, load_verdicts, paired_rows
-    from kvarn_mla.report.long_context import length_verdicts, reference_of
+    from kvarn_mla.evaluation.paired import load_verdicts, paired_rows
+    from kvarn_mla.report.long_context import length_verdicts, partner_comparisons, reference_of
 
     def right(items: dict[str, bool]) -> str:
         low, high = wilson_interval(sum(items.values()), len(items))
@@ -89,19 +89,16 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     lines = []
     if records:
         cells: dict[str, dict[str, list[str]]] = {}
+        n: dict[str, int] = {}
         for model, path in records.items():
             verdicts = load_verdicts(path)
             reference = reference_of(verdicts)
+            n[model] = len(verdicts[reference])
             cells.setdefault("16-bit", {})[model] = [right(verdicts[reference]), "", "", ""]
             for row in paired_rows(verdicts, also=(reference,)):
-                if row.method == reference:
-                    continue
-                by_partner = {c.partner: c for c in row.comparisons}
-                bits = bits_of(row.method)
-                partners = (reference, *(f"{family}-{bits}" if bits else None for family in PARTNERS))
-                cells.setdefault(row.method, {})[model] = [right(verdicts[row.method]),
-                                                           *(_paired_cell(by_partner.get(p)) for p in partners)]
-        n = {model: len(next(iter(load_verdicts(path).values()))) for model, path in records.items()}
+                if row.method != reference:
+                    cells.setdefault(row.method, {})[model] = [
+                        right(verdicts[row.method]), *map(_paired_cell, partner_comparisons(row, reference))]
         lines += ["| method | " + " | ".join(f"{m.upper()}: right of {n[m]} | vs 16-bit | vs kvarn-B | vs rot-B"
                                            for m in records) + " |", "|---|" + "---|" * (4 * len(records))]
         lines += [f"| {method} | " + " | ".join(" | ".join(row.get(m, [""] * 4)) for m in records) + " |"

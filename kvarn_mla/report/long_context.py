@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..evaluation.checkers import wilson_interval
-from ..evaluation.paired import PARTNERS, Comparison, bits_of, compare, load_verdicts, paired_rows
+from ..evaluation.paired import PARTNERS, Comparison, PairedRow, bits_of, compare, load_verdicts, paired_rows
 from .charts import context_chart
 
 GOAL_CONTEXT = 8192  # the context at which the goals are stated
@@ -106,6 +106,15 @@ def comparison_cell(c: Comparison | None) -> str:
     return f"**{text}**" if c.p_value < 0.05 else text
 
 
+def partner_comparisons(row: PairedRow, reference: str | None) -> list[Comparison | None]:
+    """``row``'s comparisons with the 16-bit ``reference`` and with each of `PARTNERS` at its bit width, in that
+    order; None where that partner did not run (or the method names no bit width)."""
+    by_partner = {c.partner: c for c in row.comparisons}
+    bits = bits_of(row.method)
+    partners = (reference, *(f"{family}-{bits}" if bits else None for family in PARTNERS))
+    return [by_partner.get(p) for p in partners]
+
+
 def paired_table(verdicts: Verdicts) -> list[str]:
     """Each method against the 16-bit reference, KVarN (``kvarn-B``) and rotation-only (``rot-B``) at its bit width
     (`evaluation.paired.paired_rows`)."""
@@ -113,10 +122,8 @@ def paired_table(verdicts: Verdicts) -> list[str]:
     lines = ["| method | vs 16-bit | " + " | ".join(f"vs {family}-B" for family in PARTNERS) + " |",
              "|---|---|" + "---|" * len(PARTNERS)]
     for row in paired_rows(verdicts, also=(reference,) if reference else ()):
-        by_partner = {c.partner: c for c in row.comparisons}
-        bits = bits_of(row.method)
-        partners = (reference, *(f"{family}-{bits}" if bits else None for family in PARTNERS))
-        lines.append(f"| {row.method} | " + " | ".join(comparison_cell(by_partner.get(p)) for p in partners) + " |")
+        cells = (comparison_cell(c) for c in partner_comparisons(row, reference))
+        lines.append(f"| {row.method} | " + " | ".join(cells) + " |")
     return lines
 
 
