@@ -345,3 +345,37 @@ def test_error_probe_places_every_target_token():
     assert place(row, 2, R.V2) == "later row counter" and place(2 * row - 1, 2, R.V2) == "later row break"  # answer
     assert place(2 * row, 2, R.V2) == place(2 * row + 1, 2, R.V2) == "answer / end of text"
     assert place(R.V1.row_tokens, 2, R.V1) == "later row counter"
+
+
+def test_lookup_pilot_documents():
+    # The pilot's recall documents are the retrieval task's facts (same text), its targets are exactly the queried
+    # facts, it never uses a held-out value, and a step's batch is a pure function of the step.
+    import random
+
+    from kvarn_mla.evaluation import retrieval as RT
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import pilot_lookup as P
+    finally:
+        sys.path.pop(0)
+    _, tok = reference_models.load("gqa")
+    docs = P.Docs(tok, "recall", max_facts=4)
+    ids, mask = docs.recall(random.Random(0), 3)
+    text = tok.decode(ids, skip_special_tokens=False)
+    prompt, target = tok.decode(ids[: mask.index(1)]), tok.decode(ids[mask.index(1) :])
+    facts = prompt.split(RT.QUERY)[0]
+    parsed = [f.split(RT.VALUE) for f in facts.split(RT.KEY)[1:]]
+    assert len(parsed) == 3 and facts == "".join(RT.fact_text(k.strip(), v) for k, v in parsed), text
+    queried = prompt.split(RT.QUERY)[1].removesuffix(R.ANSWER).split()
+    value = {k.strip(): v for k, v in parsed}
+    assert target == "".join(RT.fact_text(k, value[k]) for k in queried) + tok.eos_token
+    assert mask == sorted(mask) and all(RT.value_split(v) == "train" for v in value.values())
+    bare = P.Docs(tok, "recall", max_facts=4, separator=False).recall(random.Random(0), 3)[0]
+    assert docs.value not in bare and len(bare) == len(ids) - ids.count(docs.value) == len(ids) - 3 - len(queried)
+    seq, m, doc = docs.batch(7, rows=2, context=256)
+    assert seq.shape == m.shape == doc.shape == (2, 257)
+    assert all(torch.equal(a, b) for a, b in zip((seq, m, doc), docs.batch(7, rows=2, context=256)))
+    assert bool((doc[:, 1:] >= doc[:, :-1]).all()) and int(m.sum()) > 0
+    with pytest.raises(ValueError, match="'recall' or 'copy'"):
+        P.Docs(tok, "lookup", max_facts=4)

@@ -1,0 +1,211 @@
+"""Pilot: does a reference model learn content-addressed lookup, and how many steps does it take?
+
+The v2 reference models retrieve nothing (``README.md``): teacher-forced on held-out retrieval items they do not
+even copy the previous token when a chain hop asks for it. Retrieval needs an induction-style circuit (match an
+earlier token by content, copy what follows it); the reasoning task needs only fixed-offset lookups. This
+script measures whether that circuit forms on the densest data there is, so a recipe can be built on it:
+
+- ``recall``: facts-only associative recall. A document is 1..F facts in the retrieval task's own format
+  (``<|key|> w<|value|>dddd``, :func:`kvarn_mla.evaluation.retrieval.fact_text`), then ``<|query|>``, some of
+  their keys and ``<|answer|>``; the target writes the queried facts. No code filler: ~35% of all tokens are
+  targets. ``--no-separator`` drops ``<|value|>`` from facts and targets, so the value follows its key directly
+  (a plain one-token induction match instead of a match on the token two back).
+- ``copy``: ``<|query|> t1 .. tL<|answer|> t1 .. tL``, the textbook induction task (every target is a copy).
+
+Documents are packed into ``--rows`` rows of ``--context`` tokens with the block-diagonal mask of
+``train_reference.py``. Every ``--probe-every`` steps the script scores fresh recall documents with 1, 2, 4
+and 8 facts (value-digit accuracy: picking any one fact's value scores about ``1/F``, so only accuracy above that
+at F >= 2 shows keys being matched) and the held-out retrieval monitor items at 512 tokens (the real task, with
+code filler). The history goes to ``--out`` (JSON) as it grows.
+
+    python benchmarks/models/pilot_lookup.py gqa --task recall --facts 4 --lr 3e-3 --steps 2000 --out r.json
+    python benchmarks/models/pilot_lookup.py gqa --task copy --lr 3e-3 --steps 2000 --out c.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_reference as T  # noqa: E402
+
+from kvarn_mla import reference_models  # noqa: E402
+from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
+
+PROBE_FACTS = (1, 2, 4, 8)
+
+
+class Docs:
+    """Training documents of one task, built from token ids (no tokenizer call per document).
+
+    Args:
+        tok: the reference models' tokenizer.
+        task: ``"recall"`` or ``"copy"``.
+        max_facts: most facts in a recall document (at least 1).
+        separator: keep ``<|value|>`` between a key and its value (the retrieval task's format).
+        words: the first this many key words of :data:`retrieval.WORDS` (None: all 448).
+    """
+
+    def __init__(self, tok, task: str, max_facts: int, separator: bool = True, words: int | None = None) -> None:
+        if task not in ("recall", "copy"):
+            raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
+        if max_facts < 1:
+            raise ValueError(f"max_facts must be >= 1, got {max_facts}")
+        ids = tok.convert_tokens_to_ids
+        self.key, self.value, self.query = (ids(t) for t in (retrieval.KEY, retrieval.VALUE, retrieval.QUERY))
+        self.answer, self.eos = ids(reasoning.ANSWER), tok.eos_token_id
+        self.words = [tok(" " + w, add_special_tokens=False).input_ids[0] for w in retrieval.WORDS[:words]]
+        self.digits = [ids(str(d)) for d in range(10)]
+        every = (f"{i:0{retrieval.VALUE_DIGITS}d}" for i in range(10**retrieval.VALUE_DIGITS))
+        self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
+        self.task, self.max_facts, self.separator = task, max_facts, separator
+
+    def fact(self, word: int, value: str) -> list[int]:
+        return [self.key, word] + ([self.value] if self.separator else []) + [self.digits[int(d)] for d in value]
+
+    def recall(self, rng: random.Random, facts: int) -> tuple[list[int], list[int]]:
+        """A recall document with ``facts`` facts: token ids and a 0/1 target mask (1 = trained on)."""
+        words = rng.sample(self.words, facts)
+        values = rng.sample(self.train_values, facts)  # distinct: a wrong key never gives the right value
+        ids = [t for w, v in zip(words, values) for t in self.fact(w, v)]
+        queried = rng.sample(range(facts), rng.randint(1, facts))
+        ids += [self.query] + [words[i] for i in queried] + [self.answer]
+        target = [t for i in queried for t in self.fact(words[i], values[i])] + [self.eos]
+        return ids + target, [0] * len(ids) + [1] * len(target)
+
+    def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        seq = [rng.choice(self.words + self.digits) for _ in range(rng.randint(4, 24))]
+        ids = [self.query] + seq + [self.answer]
+        return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
+
+    def doc(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        return self.recall(rng, rng.randint(1, self.max_facts)) if self.task == "recall" else self.copy(rng)
+
+    def batch(self, step: int, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, target mask and document ids, each ``[rows, context + 1]``, of step ``step`` (deterministic).
+
+        A row packs whole documents; the rest is end-of-text padding in a document of its own, not trained on.
+        """
+        rng = random.Random(f"pilot-lookup/{step}")
+        ids, mask, doc = [], [], []
+        for _ in range(rows):
+            row_ids, row_mask, row_doc = [], [], []
+            while True:
+                d, m = self.doc(rng)
+                if len(row_ids) + len(d) > context + 1:
+                    break
+                row_doc += [row_doc[-1] + 1 if row_doc else 0] * len(d)
+                row_ids, row_mask = row_ids + d, row_mask + m
+            pad = context + 1 - len(row_ids)
+            ids.append(row_ids + [self.eos] * pad)
+            mask.append(row_mask + [0] * pad)
+            doc.append(row_doc + [row_doc[-1] + 1] * pad)
+        return torch.tensor(ids), torch.tensor(mask), torch.tensor(doc)
+
+
+@torch.no_grad()
+def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int = 40) -> dict[str, float]:
+    """Value-digit accuracy on fresh recall documents of each size in :data:`PROBE_FACTS` (fixed seed), and on the
+    held-out retrieval monitor items: the target tokens that follow ``<|value|>`` (the first value token of each
+    written fact), and the share of items whose whole target is the argmax."""
+    model.eval()
+    out = {}
+    for facts in PROBE_FACTS:
+        rng, hit, total = random.Random(f"pilot-probe/{facts}"), 0, 0
+        for _ in range(per_size):
+            ids, mask = docs.recall(rng, facts)
+            pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+            for i in range(1, len(ids)):
+                if mask[i] and ids[i] in docs.digits:
+                    hit, total = hit + int(pred[i - 1] == ids[i]), total + 1
+        out[f"recall_{facts}_value_acc"] = hit / total
+    first = whole = lookups = 0
+    for it in monitor:
+        prompt = tok(it.prompt, add_special_tokens=False).input_ids
+        target = tok(it.target, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        ok = T.target_hits(model, prompt, target)
+        whole += all(ok)
+        for j in range(1, len(target)):
+            if target[j - 1] == docs.value:
+                first, lookups = first + ok[j], lookups + 1
+    out["retrieval_512_first_value_acc"] = first / lookups
+    out["retrieval_512_items_all_right"] = whole / len(monitor)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=T.MODEL_NAMES)
+    ap.add_argument("--task", choices=("recall", "copy"), default="recall")
+    ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
+    ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
+    ap.add_argument("--words", type=int, help="key vocabulary: the first N words (default all)")
+    ap.add_argument("--scratch", action="store_true", help="fresh weights of the bundled model's config")
+    ap.add_argument("--layers", type=int, help="with --scratch: this many layers")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--probe-every", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, help="history JSON, rewritten at every probe")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
+    model, tok = reference_models.load(args.name)
+    if args.scratch:
+        config = model.config
+        config.num_hidden_layers = args.layers or config.num_hidden_layers
+        model = T.build_model(config)
+    model.config._attn_implementation = "sdpa_pad_v"
+    docs = Docs(tok, args.task, args.facts, separator=not args.no_separator, words=args.words)
+    monitor = retrieval.held_out_items(tok, 512, T.MONITOR_SEED, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    history = [{"step": 0, **probe(model, docs, tok, monitor)}]
+    print(json.dumps(history[-1]), flush=True)
+    for step in range(args.steps):
+        model.train()
+        t0 = time.time()
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        seq, mask, doc = docs.batch(step, args.rows, args.context)
+        inputs, targets, mask = seq[:, :-1], seq[:, 1:], mask[:, 1:].float()
+        attn, positions = T.doc_mask_and_positions(doc[:, :-1])
+        logits = model(input_ids=inputs, attention_mask=attn, position_ids=positions, use_cache=False).logits
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        loss = (nll * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec = {
+            "step": step + 1,
+            "loss": float(loss.detach()),
+            "target_acc": float(((logits.argmax(-1) == targets) * mask).sum() / mask.sum()),
+            "sec": time.time() - t0,
+        }
+        if (step + 1) % args.probe_every == 0 or step + 1 == args.steps:
+            rec.update(probe(model, docs, tok, monitor))
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                args.out.write_text(
+                    json.dumps({"args": vars(args) | {"out": str(args.out)}, "history": history + [rec]})
+                )
+        history.append(rec)
+    return history
+
+
+if __name__ == "__main__":
+    main()
