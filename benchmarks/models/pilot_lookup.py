@@ -20,6 +20,11 @@ code filler). The history goes to ``--out`` (JSON) as it grows.
 
     python benchmarks/models/pilot_lookup.py gqa --task recall --facts 4 --lr 3e-3 --steps 2000 --out r.json
     python benchmarks/models/pilot_lookup.py gqa --task copy --lr 3e-3 --steps 2000 --out c.json
+    python benchmarks/models/pilot_lookup.py gqa --task copy:800,recall:1700 --out cr.json   # a curriculum
+
+``--task`` takes one task for ``--steps`` steps or a curriculum ``task:steps,...`` (its steps replace ``--steps``;
+one optimizer throughout). ``--save`` keeps the weights (float32 state dict) at every probe; ``--init`` starts from
+such a file instead of the bundled checkpoint.
 """
 
 from __future__ import annotations
@@ -142,10 +147,23 @@ def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int =
     return out
 
 
+def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
+    """``"recall"`` -> ``[("recall", None)]`` (run for ``--steps``); ``"copy:800,recall:1700"`` -> a curriculum."""
+    out = []
+    for part in spec.split(","):
+        task, _, steps = part.partition(":")
+        if task not in ("recall", "copy") or (steps and not steps.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected recall | copy | task:steps,..., got {spec!r}")
+        out.append((task, int(steps) if steps else None))
+    if len(out) > 1 and any(n is None for _, n in out):
+        raise argparse.ArgumentTypeError(f"a curriculum gives every task its steps, got {spec!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=T.MODEL_NAMES)
-    ap.add_argument("--task", choices=("recall", "copy"), default="recall")
+    ap.add_argument("--task", type=parse_tasks, default="recall", help="recall | copy | task:steps,... (curriculum)")
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
     ap.add_argument("--words", type=int, help="key vocabulary: the first N words (default all)")
@@ -159,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--probe-every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, help="history JSON, rewritten at every probe")
+    ap.add_argument("--save", type=Path, help="weights (state dict), rewritten at every probe")
+    ap.add_argument("--init", type=Path, help="start from weights saved by --save")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -169,18 +189,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers
         model = T.build_model(config)
+    if args.init:
+        model.load_state_dict(torch.load(args.init))
     model.config._attn_implementation = "sdpa_pad_v"
-    docs = Docs(tok, args.task, args.facts, separator=not args.no_separator, words=args.words)
+    schedule = [(task, steps or args.steps) for task, steps in args.task]
+    args.steps = sum(steps for _, steps in schedule)
+    docs = {
+        task: Docs(tok, task, args.facts, separator=not args.no_separator, words=args.words) for task, _ in schedule
+    }
+    phase_of = [task for task, steps in schedule for _ in range(steps)]
+    probe_docs = next(iter(docs.values()))  # every Docs builds the same recall documents
     monitor = retrieval.held_out_items(tok, 512, T.MONITOR_SEED, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    history = [{"step": 0, **probe(model, docs, tok, monitor)}]
+    history = [{"step": 0, **probe(model, probe_docs, tok, monitor)}]
     print(json.dumps(history[-1]), flush=True)
     for step in range(args.steps):
         model.train()
         t0 = time.time()
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-        seq, mask, doc = docs.batch(step, args.rows, args.context)
+        seq, mask, doc = docs[phase_of[step]].batch(step, args.rows, args.context)
         inputs, targets, mask = seq[:, :-1], seq[:, 1:], mask[:, 1:].float()
         attn, positions = T.doc_mask_and_positions(doc[:, :-1])
         logits = model(input_ids=inputs, attention_mask=attn, position_ids=positions, use_cache=False).logits
@@ -192,16 +220,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         rec = {
             "step": step + 1,
+            "task": phase_of[step],
             "loss": float(loss.detach()),
             "target_acc": float(((logits.argmax(-1) == targets) * mask).sum() / mask.sum()),
             "sec": time.time() - t0,
         }
         if (step + 1) % args.probe_every == 0 or step + 1 == args.steps:
-            rec.update(probe(model, docs, tok, monitor))
+            rec.update(probe(model, probe_docs, tok, monitor))
             print(json.dumps(rec), flush=True)
+            if args.save:
+                torch.save(model.state_dict(), args.save)
             if args.out:
                 args.out.write_text(
-                    json.dumps({"args": vars(args) | {"out": str(args.out)}, "history": history + [rec]})
+                    json.dumps(
+                        {
+                            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                            "history": history + [rec],
+                        }
+                    )
                 )
         history.append(rec)
     return history
