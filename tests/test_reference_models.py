@@ -379,3 +379,5 @@ def test_lookup_pilot_documents():
     assert bool((doc[:, 1:] >= doc[:, :-1]).all()) and int(m.sum()) > 0
     with pytest.raises(ValueError, match="'recall' or 'copy'"):
         P.Docs(tok, "lookup", max_facts=4)
+    with pytest.raises(ValueError, match="context=16"):
+        P.Docs(tok, "recall", max_facts=8).batch(0, rows=1, context=16)

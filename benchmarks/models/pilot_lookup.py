@@ -107,6 +107,8 @@ class Docs:
             while True:
                 d, m = self.doc(rng)
                 if len(row_ids) + len(d) > context + 1:
+                    if not row_ids:
+                        raise ValueError(f"a {len(d)}-token document does not fit rows of context={context}")
                     break
                 row_doc += [row_doc[-1] + 1 if row_doc else 0] * len(d)
                 row_ids, row_mask = row_ids + d, row_mask + m
