@@ -360,7 +360,7 @@ def test_lookup_pilot_documents():
     finally:
         sys.path.pop(0)
     _, tok = reference_models.load("gqa")
-    docs = P.Docs(tok, "recall", max_facts=4)
+    docs = P.Docs(tok, max_facts=4)
     ids, mask = docs.recall(random.Random(0), 3)
     text = tok.decode(ids, skip_special_tokens=False)
     prompt, target = tok.decode(ids[: mask.index(1)]), tok.decode(ids[mask.index(1) :])
@@ -371,13 +371,13 @@ def test_lookup_pilot_documents():
     value = {k.strip(): v for k, v in parsed}
     assert target == "".join(RT.fact_text(k, value[k]) for k in queried) + tok.eos_token
     assert mask == sorted(mask) and all(RT.value_split(v) == "train" for v in value.values())
-    bare = P.Docs(tok, "recall", max_facts=4, separator=False).recall(random.Random(0), 3)[0]
+    bare = P.Docs(tok, max_facts=4, separator=False).recall(random.Random(0), 3)[0]
     assert docs.value not in bare and len(bare) == len(ids) - ids.count(docs.value) == len(ids) - 3 - len(queried)
-    seq, m, doc = docs.batch(7, rows=2, context=256)
+    seq, m, doc = docs.batch("recall", 7, rows=2, context=256)
     assert seq.shape == m.shape == doc.shape == (2, 257)
-    assert all(torch.equal(a, b) for a, b in zip((seq, m, doc), docs.batch(7, rows=2, context=256)))
+    assert all(torch.equal(a, b) for a, b in zip((seq, m, doc), docs.batch("recall", 7, rows=2, context=256)))
     assert bool((doc[:, 1:] >= doc[:, :-1]).all()) and int(m.sum()) > 0
     with pytest.raises(ValueError, match="'recall' or 'copy'"):
-        P.Docs(tok, "lookup", max_facts=4)
+        docs.batch("lookup", 0, rows=1, context=256)
     with pytest.raises(ValueError, match="context=16"):
-        P.Docs(tok, "recall", max_facts=8).batch(0, rows=1, context=16)
+        P.Docs(tok, max_facts=8).batch("recall", 0, rows=1, context=16)

@@ -49,20 +49,20 @@ from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
 PROBE_FACTS = (1, 2, 4, 8)
 
 
+TASKS = ("recall", "copy")
+
+
 class Docs:
-    """Training documents of one task, built from token ids (no tokenizer call per document).
+    """Training documents of the pilot's tasks, built from token ids (no tokenizer call per document).
 
     Args:
         tok: the reference models' tokenizer.
-        task: ``"recall"`` or ``"copy"``.
         max_facts: most facts in a recall document (at least 1).
         separator: keep ``<|value|>`` between a key and its value (the retrieval task's format).
         words: the first this many key words of :data:`retrieval.WORDS` (None: all 448).
     """
 
-    def __init__(self, tok, task: str, max_facts: int, separator: bool = True, words: int | None = None) -> None:
-        if task not in ("recall", "copy"):
-            raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
+    def __init__(self, tok, max_facts: int, separator: bool = True, words: int | None = None) -> None:
         if max_facts < 1:
             raise ValueError(f"max_facts must be >= 1, got {max_facts}")
         ids = tok.convert_tokens_to_ids
@@ -72,7 +72,7 @@ class Docs:
         self.digits = [ids(str(d)) for d in range(10)]
         every = (f"{i:0{retrieval.VALUE_DIGITS}d}" for i in range(10**retrieval.VALUE_DIGITS))
         self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
-        self.task, self.max_facts, self.separator = task, max_facts, separator
+        self.max_facts, self.separator = max_facts, separator
 
     def fact(self, word: int, value: str) -> list[int]:
         return [self.key, word] + ([self.value] if self.separator else []) + [self.digits[int(d)] for d in value]
@@ -92,20 +92,20 @@ class Docs:
         ids = [self.query] + seq + [self.answer]
         return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
 
-    def doc(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        return self.recall(rng, rng.randint(1, self.max_facts)) if self.task == "recall" else self.copy(rng)
-
-    def batch(self, step: int, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids, target mask and document ids, each ``[rows, context + 1]``, of step ``step`` (deterministic).
+    def batch(self, task: str, step: int, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, target mask and document ids, each ``[rows, context + 1]``, of ``task``'s documents at step
+        ``step`` (deterministic).
 
         A row packs whole documents; the rest is end-of-text padding in a document of its own, not trained on.
         """
+        if task not in TASKS:
+            raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
         rng = random.Random(f"pilot-lookup/{step}")
         ids, mask, doc = [], [], []
         for _ in range(rows):
             row_ids, row_mask, row_doc = [], [], []
             while True:
-                d, m = self.doc(rng)
+                d, m = self.recall(rng, rng.randint(1, self.max_facts)) if task == "recall" else self.copy(rng)
                 if len(row_ids) + len(d) > context + 1:
                     if not row_ids:
                         raise ValueError(f"a {len(d)}-token document does not fit rows of context={context}")
@@ -154,7 +154,7 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
     out = []
     for part in spec.split(","):
         task, _, steps = part.partition(":")
-        if task not in ("recall", "copy") or (steps and not steps.isdigit()):
+        if task not in TASKS or (steps and not steps.isdigit()):
             raise argparse.ArgumentTypeError(f"expected recall | copy | task:steps,..., got {spec!r}")
         out.append((task, int(steps) if steps else None))
     if len(out) > 1 and any(n is None for _, n in out):
@@ -196,21 +196,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
-    docs = {
-        task: Docs(tok, task, args.facts, separator=not args.no_separator, words=args.words) for task, _ in schedule
-    }
+    docs = Docs(tok, args.facts, separator=not args.no_separator, words=args.words)
     phase_of = [task for task, steps in schedule for _ in range(steps)]
-    probe_docs = next(iter(docs.values()))  # every Docs builds the same recall documents
     monitor = retrieval.held_out_items(tok, 512, T.MONITOR_SEED, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    history = [{"step": 0, **probe(model, probe_docs, tok, monitor)}]
+    history = [{"step": 0, **probe(model, docs, tok, monitor)}]
     print(json.dumps(history[-1]), flush=True)
     for step in range(args.steps):
         model.train()
         t0 = time.time()
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-        seq, mask, doc = docs[phase_of[step]].batch(step, args.rows, args.context)
+        seq, mask, doc = docs.batch(phase_of[step], step, args.rows, args.context)
         inputs, targets, mask = seq[:, :-1], seq[:, 1:], mask[:, 1:].float()
         attn, positions = T.doc_mask_and_positions(doc[:, :-1])
         logits = model(input_ids=inputs, attention_mask=attn, position_ids=positions, use_cache=False).logits
@@ -228,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "sec": time.time() - t0,
         }
         if (step + 1) % args.probe_every == 0 or step + 1 == args.steps:
-            rec.update(probe(model, probe_docs, tok, monitor))
+            rec.update(probe(model, docs, tok, monitor))
             print(json.dumps(rec), flush=True)
             if args.save:
                 torch.save(model.state_dict(), args.save)
