@@ -1,5 +1,6 @@
 """Bundled reference checkpoints load offline and solve the reasoning task; the training script runs."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -157,6 +158,21 @@ def test_rows_of_every_kind(smoke_tokenizer):
                     assert kinds[1:] == ([tr.PROMPT] * len(prompt) + [tr.REASONING] * source[2])[1:]
                     if phase.mix[r] == "o":
                         assert source[2] == min(len(target), recipe.opening_rows * tr.TASK.row_tokens)
+                elif source[0] == "copy":  # <|query|> seq<|answer|> seq<|endoftext|>, the second seq trained on
+                    length = (len(tokens) - 3) // 2
+                    seq = tokens[1 : 1 + length]
+                    assert tokens == [data.query_id, *seq, data.lookup.answer, *seq, tok.eos_token_id]
+                    assert kinds[length + 2 :] == [tr.RETRIEVAL] * (length + 1) and set(kinds[1 : length + 2]) == {0}
+                elif source[0] == "recall":  # facts, the queried keys, then exactly the queried facts, trained on
+                    cut = tokens.index(data.lookup.answer) + 1
+                    facts, query, target = tokens[: tokens.index(data.query_id)], tokens[:cut], tokens[cut:]
+                    written = tok.decode(target[:-1]).split(RT.KEY)[1:]
+                    assert 1 <= len(written) <= facts.count(data.key_id) <= phase.facts
+                    assert all(RT.KEY + w in tok.decode(facts) for w in written) and target[-1] == tok.eos_token_id
+                    assert set(kinds[1:cut]) == {tr.NO_LOSS} and kinds[cut:] == [tr.RETRIEVAL] * len(target)
+                    assert len(query) - len(facts) - 2 == len(
+                        written
+                    )  # <|query|>, one key per written fact, <|answer|>
                 else:
                     context, seed, index = source[1:]
                     assert seed in RT.TRAIN_SEEDS
@@ -177,7 +193,7 @@ def test_rows_of_every_kind(smoke_tokenizer):
                     assert kinds[key_at] == tr.NO_LOSS and off == sorted(off)
                     assert off[-1] + len(tokens) <= max(phase.span, len(tokens))
                 seen.add(phase.mix[r] if source[0] != "code" else "code")
-    assert seen == {"code", "r", "o", "k"}
+    assert seen == {"code", "r", "o", "k", "y", "a"}
 
 
 def test_training_script_smoke(tmp_path):
@@ -246,6 +262,15 @@ def test_training_script_smoke(tmp_path):
         ]
     )
     assert [r["context"] for r in merged["held_out_retrieval"]] == [320, 640]
+    # --init starts from saved weights (here the run's last state; a fresh optimizer): no step, the same weights out.
+    skip = ["--eval-items", "0", "--eval-retrieval-items", "0", "--eval-code-window", "0", "--max-steps", "0"]
+    started = train_reference.main(
+        ["mla", *common, *skip, "--init", str(tmp_path / "run" / "state.pt"), "--run-dir", str(tmp_path / "init")]
+    )
+    assert started["init"] == str(tmp_path / "run" / "state.pt") and started["steps_done"] == 0
+    assert (tmp_path / "init" / "model" / "model.safetensors").read_bytes() == (
+        tmp_path / "ckpt" / "model.safetensors"
+    ).read_bytes()
     _ship_the_smoke_run(tmp_path, results)
 
 
@@ -273,6 +298,14 @@ def _ship_the_smoke_run(tmp_path, results):
     )
     assert shipped["checkpoint_bytes"] == sum(f.stat().st_size for f in (tmp_path / "pkg" / "mla").iterdir())
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--no-evaluate"]) == 1  # the missing one named
+    # a run of a recipe this checkout does not have, or one that stopped early, is refused with the reason
+    for change, reason in (({"recipe": {"phases": []}}, "none of train_reference.py's"), ({"steps_done": 1}, "step 1")):
+        (tmp_path / "other.json").write_text(json.dumps({**shipped, **change}))
+        assert any(
+            reason in p
+            for p in ship.problems(json.loads((tmp_path / "other.json").read_text()), tmp_path / "ckpt", smoke=True)
+        )
+    assert ship.recipe_of({"recipe": dataclasses.asdict(ship.T.LOOKUP)}) == "lookup"
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--items", "1"]) == 0  # ... or run on the install
     evaluated = json.loads((tmp_path / "res" / "mla.json").read_text())
     assert [r["context"] for r in evaluated["held_out_retrieval"]] == [320, 640, 960]

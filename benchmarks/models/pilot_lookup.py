@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_reference as T  # noqa: E402
 
 from kvarn_mla import reference_models  # noqa: E402
-from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
+from kvarn_mla.evaluation import retrieval  # noqa: E402
 
 PROBE_FACTS = (1, 2, 4, 8)
 
@@ -52,45 +52,8 @@ PROBE_FACTS = (1, 2, 4, 8)
 TASKS = ("recall", "copy")
 
 
-class Docs:
-    """Training documents of the pilot's tasks, built from token ids (no tokenizer call per document).
-
-    Args:
-        tok: the reference models' tokenizer.
-        max_facts: most facts in a recall document (at least 1).
-        separator: keep ``<|value|>`` between a key and its value (the retrieval task's format).
-        words: the first this many key words of :data:`retrieval.WORDS` (None: all 448).
-    """
-
-    def __init__(self, tok, max_facts: int, separator: bool = True, words: int | None = None) -> None:
-        if max_facts < 1:
-            raise ValueError(f"max_facts must be >= 1, got {max_facts}")
-        ids = tok.convert_tokens_to_ids
-        self.key, self.value, self.query = (ids(t) for t in (retrieval.KEY, retrieval.VALUE, retrieval.QUERY))
-        self.answer, self.eos = ids(reasoning.ANSWER), tok.eos_token_id
-        self.words = [tok(" " + w, add_special_tokens=False).input_ids[0] for w in retrieval.WORDS[:words]]
-        self.digits = [ids(str(d)) for d in range(10)]
-        every = (f"{i:0{retrieval.VALUE_DIGITS}d}" for i in range(10**retrieval.VALUE_DIGITS))
-        self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
-        self.max_facts, self.separator = max_facts, separator
-
-    def fact(self, word: int, value: str) -> list[int]:
-        return [self.key, word] + ([self.value] if self.separator else []) + [self.digits[int(d)] for d in value]
-
-    def recall(self, rng: random.Random, facts: int) -> tuple[list[int], list[int]]:
-        """A recall document with ``facts`` facts: token ids and a 0/1 target mask (1 = trained on)."""
-        words = rng.sample(self.words, facts)
-        values = rng.sample(self.train_values, facts)  # distinct: a wrong key never gives the right value
-        ids = [t for w, v in zip(words, values) for t in self.fact(w, v)]
-        queried = rng.sample(range(facts), rng.randint(1, facts))
-        ids += [self.query] + [words[i] for i in queried] + [self.answer]
-        target = [t for i in queried for t in self.fact(words[i], values[i])] + [self.eos]
-        return ids + target, [0] * len(ids) + [1] * len(target)
-
-    def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        seq = [rng.choice(self.words + self.digits) for _ in range(rng.randint(4, 24))]
-        ids = [self.query] + seq + [self.answer]
-        return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
+class Docs(T.LookupDocs):
+    """:class:`train_reference.LookupDocs` packed into whole rows of one task (end-of-text padding, no code)."""
 
     def batch(self, task: str, step: int, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids, target mask and document ids, each ``[rows, context + 1]``, of ``task``'s documents at step
@@ -105,7 +68,7 @@ class Docs:
         for _ in range(rows):
             row_ids, row_mask, row_doc = [], [], []
             while True:
-                d, m = self.recall(rng, rng.randint(1, self.max_facts)) if task == "recall" else self.copy(rng)
+                d, m = self.document(task, rng)
                 if len(row_ids) + len(d) > context + 1:
                     if not row_ids:
                         raise ValueError(f"a {len(d)}-token document does not fit rows of context={context}")

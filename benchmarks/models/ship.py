@@ -11,8 +11,9 @@ during its final evaluation (the checkpoint and the last ``state.pt`` are writte
 checkpoint's config gets the reasoning task version the recipe trains on (``reasoning_task``: evaluations pick
 the task from it; a config without it means version 1, the first reference models).
 
-Refused, with the reason: a run that has not finished the recipe, or whose recipe or reasoning task differs from
-this checkout's (``train_reference.FULL``, ``train_reference.TASK``); a checkpoint that is not bf16 or is over
+Refused, with the reason: a run that has not finished its recipe, whose recipe is none of this checkout's
+(``train_reference.RECIPES``: the full recipe or a leg from a bundled model, such as ``lookup``) or whose reasoning
+task differs from ``train_reference.TASK``; a checkpoint that is not bf16 or is over
 16 MiB. Evaluations missing from ``results.json`` (code, reasoning, retrieval at each of ``--contexts``) are run on
 the installed checkpoint by ``train_reference.py --eval-only``, which adds them to the installed results (with
 ``--no-evaluate`` the command is printed instead and the exit status is 1).
@@ -39,13 +40,21 @@ MAX_BYTES = 16 * 2**20  # a shipped checkpoint's files, all together
 CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts the results must hold (the issue reports all four)
 
 
-def problems(metrics: dict, checkpoint: Path, recipe: T.Recipe) -> list[str]:
-    """Why the run in ``metrics`` / ``checkpoint`` cannot ship (empty when it can)."""
+def recipe_of(metrics: dict) -> str | None:
+    """Name of the recipe in ``train_reference.RECIPES`` that the run in ``metrics`` trained on (None: none is)."""
+    saved = json.loads(json.dumps(metrics.get("recipe")))
+    return next((k for k, r in T.RECIPES.items() if saved == json.loads(json.dumps(asdict(r)))), None)
+
+
+def problems(metrics: dict, checkpoint: Path, smoke: bool = False) -> list[str]:
+    """Why the run in ``metrics`` / ``checkpoint`` cannot ship (empty when it can): it must have finished one of
+    ``train_reference.RECIPES`` (the full recipe, or a leg such as ``lookup``; ``smoke``: the smoke recipe only)."""
     out = []
-    if metrics.get("steps_done") != recipe.steps:
-        out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {recipe.steps}")
-    if json.loads(json.dumps(metrics.get("recipe"))) != json.loads(json.dumps(asdict(recipe))):
-        out.append("the run's recipe differs from train_reference.py's (a checkout other than the one it trained in?)")
+    name = recipe_of(metrics)
+    if name is None or (name == "smoke") != smoke:
+        out.append("the run's recipe is none of train_reference.py's (a checkout other than the one it trained in?)")
+    elif metrics.get("steps_done") != T.RECIPES[name].steps:
+        out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {T.RECIPES[name].steps}")
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("dtype") != "bfloat16":
         out.append(f"the checkpoint is {config.get('dtype')}, not bfloat16")
@@ -91,6 +100,7 @@ def metrics_from_state(name: str, state_path: Path, checkpoint: Path) -> dict:
     return {
         "name": name,
         "architecture": type(model).__name__,
+        "recipe_name": recipe_of({"recipe": st["recipe"]}),
         "recipe": st["recipe"],
         "steps_done": st["step"],
         "params": T.count_params(model),
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"ship: neither {run_results} nor {state} (has the run finished?)", file=sys.stderr)
         return 2
-    refused = problems(metrics, checkpoint, T.SMOKE if args.smoke else T.FULL)
+    refused = problems(metrics, checkpoint, args.smoke)
     if refused:
         print(f"ship: {args.name} cannot ship:\n  " + "\n  ".join(refused), file=sys.stderr)
         return 2

@@ -16,6 +16,11 @@ Each run writes the checkpoint (bf16 safetensors, config, tokenizer) to
 ``kvarn_mla/reference_models/<name>/``, metrics to ``benchmarks/models/results/<name>.json``, and its
 log and resumable training state to ``runs/<name>/``. ``--smoke`` trains a tiny model for a few steps.
 
+A leg from a bundled checkpoint runs another phase table on its weights (fresh optimizer) and writes everything into
+``runs/<recipe>-<name>/`` (checkpoint in ``model/``, metrics in ``results.json``); ``ship.py`` installs it::
+
+    python benchmarks/models/train_reference.py gqa --recipe lookup --init gqa --threads 1
+
 The recipe is a table of phases (:class:`Phase`); every step of every phase holds code (code rows, code
 filler of the retrieval items, and code topping up the reasoning rows). Training runs in float32: this CPU
 (AVX2, no AVX-512) has no native bf16 matmul, and bf16 autocast measured 14x slower than float32
@@ -59,6 +64,7 @@ from transformers import (  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
+from kvarn_mla import reference_models  # noqa: E402
 from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
 from kvarn_mla.evaluation.data import corpus_info, read_code_files  # noqa: E402
 
@@ -81,6 +87,8 @@ ROW_KINDS = {
     "o": "reasoning openings",
     "c": "one code window",
     "k": "retrieval items",
+    "y": "copy documents (the induction task: a random sequence, then the same sequence as the target)",
+    "a": "associative recall documents (facts only, no filler; at most Phase.facts facts)",
 }
 
 
@@ -98,7 +106,8 @@ class Phase:
         mix: one letter per row of a step (its length is the rows per step): ``r`` packs whole reasoning items
             of 1..``max_rows`` rows and tops the row up with code, ``o`` packs item openings (the prompt and the
             first ``opening_rows`` rows) and tops up with code, ``c`` is one window of the code stream, ``k``
-            packs retrieval items (training seeds) of the lengths in ``retrieval`` and tops up with code.
+            packs retrieval items (training seeds) of the lengths in ``retrieval`` and tops up with code, ``y`` and
+            ``a`` pack copy and recall documents (:class:`LookupDocs`) and top up with code.
         lr: peak learning rate; ``final_lr``: the cosine's end (equal to ``lr``: constant after the warm-up).
         warmup: linear warm-up steps at the start of the phase.
         max_rows: most generated rows of a packed reasoning item.
@@ -110,6 +119,7 @@ class Phase:
             held-out items use the defaults, a drill packs more lookups into an item).
         rope_theta: RoPE base from this phase on (None: the recipe's ``rope_theta``), for length extension by
             raising the base.
+        facts: most facts in a recall document (``a`` rows), drawn uniformly from 1.
     """
 
     name: str
@@ -127,6 +137,7 @@ class Phase:
     queries: int = _HELD_OUT_DENSITY[1]
     tokens_per_fact: int = _HELD_OUT_DENSITY[2]
     rope_theta: float | None = None
+    facts: int = 16
 
     @property
     def rows(self) -> int:
@@ -227,6 +238,46 @@ FULL = Recipe(
     )
 )
 
+# A fine-tune leg from a bundled v2 checkpoint (GQA, MHA: same shapes and RoPE base as FULL), which reasons but never
+# formed the content lookup retrieval needs. The lookup pilots (README, "Why no model retrieves") formed it with copy
+# documents first (recall alone sat near chance for 2,500 steps), then recall with up to 16 facts at a lower rate;
+# here reasoning and code rows ride along so the model keeps them, then retrieval items with code filler carry the
+# lookup over to the real task, at 1K and then out to 2.5K tokens with position skips to 16K.
+LOOKUP = Recipe(
+    phases=(
+        Phase("copy", 800, 512, "yyyyyyrc", 3e-3, 3e-3, warmup=20, max_rows=16, weights=(1.0, 0.3, 2.0)),
+        Phase("recall", 500, 512, "aaaaaarc", 1e-3, 1e-3, warmup=20, max_rows=16, weights=(1.0, 0.3, 2.0), facts=16),
+        # retrieval items at twice the held-out density (one fact per 32 tokens, 6-12 chains) next to recall rows
+        Phase(
+            "filler",
+            500,
+            512,
+            "kkkkaarc",
+            1e-3,
+            1e-3,
+            max_rows=16,
+            weights=(1.0, 0.3, 2.0),
+            chains=(6, 12),
+            tokens_per_fact=32,
+        ),
+        # out to 2.5K tokens with position skips to 16K (a masked 4 x 2,560-token step costs ~7 s here, 5x a 512 step)
+        Phase(
+            "long",
+            250,
+            2560,
+            "rkkk",
+            1e-3,
+            5e-5,
+            max_rows=99,
+            retrieval=(1024, 1536, 2560),
+            span=16384,
+            chains=(8, 16),
+            queries=8,
+            tokens_per_fact=32,
+        ),
+    )
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -237,11 +288,11 @@ SMOKE = Recipe(
     phases=(
         Phase("warm", 2, 640, "rkc", 2e-3, 2e-3, warmup=1, max_rows=3, retrieval=(640,)),
         Phase("main", 2, 1280, "kr", 1e-3, 1e-4, max_rows=3, retrieval=(640,), span=2048),
-        Phase("anneal", 2, 640, "o", 2e-4, 2e-5, max_rows=3),
+        Phase("anneal", 2, 640, "oya", 2e-4, 2e-5, max_rows=3, facts=4),
     ),
 )
 
-RECIPES = {"full": FULL, "smoke": SMOKE}
+RECIPES = {"full": FULL, "lookup": LOOKUP, "smoke": SMOKE}
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -366,6 +417,65 @@ AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
 ROW_STRIDE = 64  # global row id = step * ROW_STRIDE + row (at most this many rows per step)
 
 
+class LookupDocs:
+    """Documents that teach content-addressed lookup (an induction circuit), built from token ids.
+
+    The retrieval task needs the model to find an earlier token by content and copy what follows it; the reasoning
+    task only ever looks a fixed number of tokens back, and the v2 models never formed the content lookup from
+    retrieval items alone (``README.md``, "Why no model retrieves"). Two documents form it (the lookup pilots):
+
+    - copy: ``<|query|> t1 .. tL<|answer|> t1 .. tL<|endoftext|>``, L in 4..24 random words and digits;
+    - recall: 1..F facts in the retrieval task's own text (``<|key|> w<|value|>dddd``, :func:`retrieval.fact_text`),
+      then ``<|query|>``, some of their keys and ``<|answer|>``; the target writes the queried facts in order.
+      Values are training values only (:func:`retrieval.value_split`), distinct within a document.
+
+    Args:
+        tok: the reference models' tokenizer.
+        max_facts: most facts in a recall document (at least 1).
+        separator: keep ``<|value|>`` between a key and its value (the retrieval task's format).
+        words: the first this many key words of :data:`retrieval.WORDS` (None: all of them).
+    """
+
+    def __init__(self, tok: PreTrainedTokenizerFast, max_facts: int, separator: bool = True, words: int | None = None):
+        if max_facts < 1:
+            raise ValueError(f"max_facts must be >= 1, got {max_facts}")
+        ids = tok.convert_tokens_to_ids
+        self.key, self.value, self.query = (ids(t) for t in (retrieval.KEY, retrieval.VALUE, retrieval.QUERY))
+        self.answer, self.eos = ids(reasoning.ANSWER), tok.eos_token_id
+        self.words = [tok(" " + w, add_special_tokens=False).input_ids[0] for w in retrieval.WORDS[:words]]
+        self.digits = [ids(str(d)) for d in range(10)]
+        every = (f"{i:0{retrieval.VALUE_DIGITS}d}" for i in range(10**retrieval.VALUE_DIGITS))
+        self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
+        self.max_facts, self.separator = max_facts, separator
+
+    def fact(self, word: int, value: str) -> list[int]:
+        return [self.key, word] + ([self.value] if self.separator else []) + [self.digits[int(d)] for d in value]
+
+    def recall(self, rng: random.Random, facts: int) -> tuple[list[int], list[int]]:
+        """A recall document with ``facts`` facts: token ids and a 0/1 target mask (1 = trained on)."""
+        words = rng.sample(self.words, facts)
+        values = rng.sample(self.train_values, facts)  # distinct: a wrong key never gives the right value
+        ids = [t for w, v in zip(words, values) for t in self.fact(w, v)]
+        queried = rng.sample(range(facts), rng.randint(1, facts))
+        ids += [self.query] + [words[i] for i in queried] + [self.answer]
+        target = [t for i in queried for t in self.fact(words[i], values[i])] + [self.eos]
+        return ids + target, [0] * len(ids) + [1] * len(target)
+
+    def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """A copy document: token ids and a 0/1 target mask."""
+        seq = [rng.choice(self.words + self.digits) for _ in range(rng.randint(4, 24))]
+        ids = [self.query] + seq + [self.answer]
+        return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
+
+    def document(self, task: str, rng: random.Random, max_facts: int | None = None) -> tuple[list[int], list[int]]:
+        """A ``"copy"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's) drawn from ``rng``."""
+        if task == "recall":
+            return self.recall(rng, rng.randint(1, max_facts or self.max_facts))
+        if task == "copy":
+            return self.copy(rng)
+        raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
+
+
 @dataclass
 class Row:
     """One training row: token ids, the kind of each token (what it is trained as), its document id, its position
@@ -397,7 +507,9 @@ class Data:
         longest = max(p.context for p in r.phases)
         if len(self.code) <= longest + 1:
             raise ValueError(f"code stream too short ({len(self.code)} tokens) for rows of {longest}")
+        self.lookup = LookupDocs(tok, max_facts=1)  # each row draws up to its phase's ``facts``
         self.key_id = tok.convert_tokens_to_ids(retrieval.KEY)
+        self.value_id = tok.convert_tokens_to_ids(retrieval.VALUE)
         self.query_id = tok.convert_tokens_to_ids(retrieval.QUERY)
         # Reasoning text is digits and format tokens, each one token: encode it by lookup (the tokenizer call costs
         # ~2 ms an item, most of a step's data time), checked against the tokenizer here.
@@ -524,6 +636,13 @@ class Data:
                     ("retrieval", item.context, item.seed, item.index),
                     self._positions(len(p) + len(t), phase.span, rng),
                 )
+        elif letter in "ya":
+            rng = random.Random(f"lookup-row/{self.r.seed}/{g}")
+            while True:
+                ids, mask = self.lookup.document("copy" if letter == "y" else "recall", rng, phase.facts)
+                if len(out.ids) + len(ids) > n:
+                    break  # the rest of the row is topped up with code
+                add(ids, [RETRIEVAL if m else NO_LOSS for m in mask], ("copy" if letter == "y" else "recall", g))
         else:
             raise ValueError(f"unknown row kind {letter!r}; expected one of {sorted(ROW_KINDS)}")
         fill = n - len(out.ids)
@@ -671,13 +790,22 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
 @torch.no_grad()
 def retrieval_teacher_forced(model: PreTrainedModel, data: Data, items: list[retrieval.Item]) -> dict[str, float]:
     """Cheap retrieval progress signal: share of items whose every target token is the argmax given the prompt and
-    the reference target before it (what greedy decoding needs), and the per-token accuracy."""
+    the reference target before it (what greedy decoding needs), the per-token accuracy, and the accuracy on the
+    first token of each written fact's value (the lookup itself; the rest of a target is mostly format)."""
     model.eval()
-    right = tokens = whole = 0
+    right = tokens = whole = first = lookups = 0
     for it in items:
-        ok = target_hits(model, *data.encode_item(it))
+        prompt, target = data.encode_item(it)
+        ok = target_hits(model, prompt, target)
         right, tokens, whole = right + sum(ok), tokens + len(ok), whole + all(ok)
-    return {"tf_items_all_right": whole / len(items), "tf_token_acc": right / tokens}
+        for j in range(1, len(target)):  # the token after <|value|>: the looked-up value (not format)
+            if target[j - 1] == data.value_id:
+                first, lookups = first + ok[j], lookups + 1
+    return {
+        "tf_items_all_right": whole / len(items),
+        "tf_token_acc": right / tokens,
+        "tf_first_value_acc": first / max(1, lookups),
+    }
 
 
 @torch.no_grad()
@@ -905,6 +1033,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("name", choices=MODEL_NAMES)
     ap.add_argument("--max-steps", type=int, help="stop after this many steps (the schedule is the recipe's)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, tiny data slice, a few steps (tests)")
+    ap.add_argument(
+        "--recipe", choices=[k for k in RECIPES if k != "smoke"], default="full", help="the phase table (default full)"
+    )
+    ap.add_argument(
+        "--init",
+        help="start from these weights: a bundled model name (its checkpoint and tokenizer) or a float32 state dict "
+        "(pilot_lookup.py --save, or a state.pt); the optimizer starts fresh (default: random weights)",
+    )
     ap.add_argument("--out-dir", type=Path, help="checkpoint dir (default kvarn_mla/reference_models/<name>)")
     ap.add_argument("--results", type=Path, help="metrics JSON (default benchmarks/models/results/<name>.json)")
     ap.add_argument("--run-dir", type=Path, help="log/resume dir (default runs/<name>)")
@@ -940,14 +1076,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
 
-    r = SMOKE if args.smoke else FULL
+    recipe_name = "smoke" if args.smoke else args.recipe
+    r = RECIPES[recipe_name]
     max_files = 40 if args.smoke else None
-    run_dir = args.run_dir or DEFAULT_RUNS / (f"smoke-{args.name}" if args.smoke else args.name)
-    out_dir = args.out_dir or DEFAULT_OUT_ROOT / args.name
-    results = args.results or DEFAULT_RESULTS / f"{args.name}.json"
+    # a leg other than the full recipe writes into its run directory: shipping it is ship.py's decision
+    label = args.name if recipe_name == "full" else f"{recipe_name}-{args.name}"
+    run_dir = args.run_dir or DEFAULT_RUNS / label
+    out_dir = args.out_dir or (DEFAULT_OUT_ROOT / args.name if recipe_name == "full" else run_dir / "model")
+    results = args.results or (
+        DEFAULT_RESULTS / f"{args.name}.json" if recipe_name == "full" else run_dir / "results.json"
+    )
+    bundled = args.init in MODEL_NAMES
     tok_dir = args.tokenizer_dir or (
-        out_dir if args.eval_only else run_dir / "tokenizer" if args.smoke else DEFAULT_TOKENIZER_DIR
-    )  # --eval-only: the checkpoint's own tokenizer
+        out_dir
+        if args.eval_only
+        else reference_models.path(args.init)
+        if bundled
+        else run_dir / "tokenizer"
+        if args.smoke
+        else DEFAULT_TOKENIZER_DIR
+    )  # --eval-only: the checkpoint's own tokenizer; --init with a bundled model: that model's
     run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.set_num_threads(args.threads)
@@ -971,6 +1119,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         return metrics
     config = build_config(args.name, r, tok)
     model = build_model(config)
+    if args.init:  # strict: the weights must have exactly this recipe's shapes
+        if bundled:
+            weights = transformers.AutoModelForCausalLM.from_pretrained(
+                reference_models.path(args.init), dtype=torch.float32
+            ).state_dict()
+        else:
+            weights = torch.load(args.init, weights_only=False)
+            weights = weights.get("model", weights)  # a state.pt holds the model under "model"
+        model.load_state_dict(weights)
     model.config._attn_implementation = "sdpa_pad_v"
     params = count_params(model)
     print(
@@ -1031,7 +1188,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         rec = {
             "step": step + 1,
             "phase": phase.name,
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             **{f"loss_{g}": v for g, v in means.items()},
             "lr": r.lr_at(step),
             "grad_norm": gnorm,
@@ -1042,9 +1199,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             rec.update(teacher_forced(model, data, monitor))
             for c, items in monitor_retrieval.items():
                 m = retrieval_teacher_forced(model, data, items)
-                rec[f"retrieval_{c}_tf_all"], rec[f"retrieval_{c}_tf_token"] = (
+                rec[f"retrieval_{c}_tf_all"], rec[f"retrieval_{c}_tf_token"], rec[f"retrieval_{c}_tf_value"] = (
                     m["tf_items_all_right"],
                     m["tf_token_acc"],
+                    m["tf_first_value_acc"],
                 )
             rec["monitor_sec"] = time.time() - t_mon
         history.append(rec)
@@ -1057,6 +1215,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 f" | reasoning tf cell {rec['tf_acc_cell']:.3f} all {rec['tf_items_all_right']:.3f} | retrieval tf "
                 + " ".join(
                     f"@{c} {rec[f'retrieval_{c}_tf_all']:.2f}/{rec[f'retrieval_{c}_tf_token']:.3f}"
+                    f"/{rec[f'retrieval_{c}_tf_value']:.3f}"
                     for c in monitor_retrieval
                 )
                 + f" ({rec['monitor_sec']:.0f}s)"
@@ -1089,7 +1248,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     metrics = {
         "name": args.name,
         "architecture": type(model).__name__,
+        "recipe_name": recipe_name,
         "recipe": asdict(r),
+        "init": args.init,
         "steps_done": stop,
         "params": params,
         "config": {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")},
