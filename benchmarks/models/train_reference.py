@@ -1207,7 +1207,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             rec["monitor_sec"] = time.time() - t_mon
         history.append(rec)
         print(
-            f"[{args.name}] step {step + 1}/{r.steps} {phase.name} loss {float(loss):.3f} ("
+            f"[{args.name}] step {step + 1}/{r.steps} {phase.name} loss {rec['loss']:.3f} ("
             + " ".join(f"{g} {v:.3f}" for g, v in means.items())
             + f") lr {rec['lr']:.2e} gn {gnorm:.2f} {dt:.2f}s ({inputs.numel() / dt:.0f} tok/s) "
             f"train {train_seconds / 60:.1f}min"
