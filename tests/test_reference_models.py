@@ -100,9 +100,10 @@ def test_recipe_phases_and_learning_rate():
     assert r.lr_at(0) == pytest.approx(first.lr / first.warmup) and r.lr_at(first.warmup) == pytest.approx(first.lr)
     assert r.lr_at(first.steps) == pytest.approx(second.lr)  # a cosine phase starts at its peak ...
     assert r.lr_at(first.steps + second.steps - 1) == pytest.approx(second.final_lr)  # ... and ends at final_lr
-    assert all(p.context >= max(p.retrieval) for p in r.phases if "k" in p.mix)
-    # code in every phase: a code row, or retrieval / reasoning rows (code filler and top-up)
-    assert all(set(p.mix) <= set(tr.ROW_KINDS) for p in r.phases)
+    for recipe in tr.RECIPES.values():
+        assert all(p.context >= max(p.retrieval) for p in recipe.phases if "k" in p.mix)
+        # code in every phase: a code row, or retrieval / reasoning rows (code filler and top-up)
+        assert all(set(p.mix) <= set(tr.ROW_KINDS) and set(p.mix) & set("rock") for p in recipe.phases)
 
 
 def test_rope_base_raised_by_a_phase():
@@ -414,3 +415,19 @@ def test_lookup_pilot_documents():
         docs.batch("lookup", 0, rows=1, context=256)
     with pytest.raises(ValueError, match="context=16"):
         P.Docs(tok, max_facts=8).batch("recall", 0, rows=1, context=16)
+
+
+def test_a_state_continues_under_appended_phases_only():
+    # --resume accepts a recipe that grew after the state's step (a new leg), never one whose steps so far changed.
+    import dataclasses as dc
+
+    tr = _train_reference()
+    saved = json.loads(json.dumps(dc.asdict(tr.LOOKUP)))
+    extra = tr.Phase("more", 10, 512, "rk", 1e-4, 1e-5)
+    grown = dc.replace(tr.LOOKUP, phases=(*tr.LOOKUP.phases, extra))
+    assert tr.same_schedule(saved, grown, tr.LOOKUP.steps) and tr.same_schedule(saved, tr.LOOKUP, 900)
+    first, *rest = tr.LOOKUP.phases
+    changed = dc.replace(tr.LOOKUP, phases=(dc.replace(first, lr=1e-3), *rest))
+    assert not tr.same_schedule(saved, changed, 900) and not tr.same_schedule(saved, changed, 10)
+    later = dc.replace(tr.LOOKUP, phases=(first, dc.replace(rest[0], mix="aaaaaarr"), *rest[1:]))
+    assert tr.same_schedule(saved, later, first.steps) and not tr.same_schedule(saved, later, first.steps + 1)
