@@ -22,6 +22,7 @@ code filler). The history goes to ``--out`` (JSON) as it grows.
     python benchmarks/models/pilot_lookup.py gqa --task copy --lr 3e-3 --steps 2000 --out c.json
     python benchmarks/models/pilot_lookup.py gqa --task copy:800,recall:1700 --out cr.json   # a curriculum
 
+``--steps 0`` only probes the starting weights (``--init`` also takes a ``train_reference.py`` ``state.pt``).
 ``--task`` takes one task for ``--steps`` steps or a curriculum ``task:steps,...`` (its steps replace ``--steps``;
 one optimizer throughout). ``--save`` keeps the weights (float32 state dict) at every probe; ``--init`` starts from
 such a file instead of the bundled checkpoint.
@@ -154,8 +155,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers
         model = T.build_model(config)
-    if args.init:
-        model.load_state_dict(torch.load(args.init))
+    if args.init:  # a --save file, or a train_reference.py state.pt (the model under "model")
+        weights = torch.load(args.init, weights_only=False)
+        model.load_state_dict(weights.get("model", weights))
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
@@ -193,16 +195,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if args.save:
                 torch.save(model.state_dict(), args.save)
             if args.out:
-                args.out.write_text(
-                    json.dumps(
-                        {
-                            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                            "history": history + [rec],
-                        }
-                    )
-                )
+                write_record(args, history + [rec])
         history.append(rec)
+    if args.out and args.steps == 0:  # --steps 0: only the probe of the starting weights
+        write_record(args, history)
     return history
+
+
+def write_record(args: argparse.Namespace, history: list[dict]) -> None:
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "history": history}
+    args.out.write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
