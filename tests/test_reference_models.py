@@ -171,9 +171,8 @@ def test_rows_of_every_kind(smoke_tokenizer):
                     assert 1 <= len(written) <= facts.count(data.key_id) <= phase.facts
                     assert all(RT.KEY + w in tok.decode(facts) for w in written) and target[-1] == tok.eos_token_id
                     assert set(kinds[1:cut]) == {tr.NO_LOSS} and kinds[cut:] == [tr.RETRIEVAL] * len(target)
-                    assert len(query) - len(facts) - 2 == len(
-                        written
-                    )  # <|query|>, one key per written fact, <|answer|>
+                    # the query is <|query|>, one key per written fact, <|answer|>
+                    assert len(query) - len(facts) - 2 == len(written)
                 else:
                     context, seed, index = source[1:]
                     assert seed in RT.TRAIN_SEEDS
@@ -301,11 +300,7 @@ def _ship_the_smoke_run(tmp_path, results):
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--no-evaluate"]) == 1  # the missing one named
     # a run of a recipe this checkout does not have, or one that stopped early, is refused with the reason
     for change, reason in (({"recipe": {"phases": []}}, "none of train_reference.py's"), ({"steps_done": 1}, "step 1")):
-        (tmp_path / "other.json").write_text(json.dumps({**shipped, **change}))
-        assert any(
-            reason in p
-            for p in ship.problems(json.loads((tmp_path / "other.json").read_text()), tmp_path / "ckpt", smoke=True)
-        )
+        assert any(reason in p for p in ship.problems({**shipped, **change}, tmp_path / "ckpt", smoke=True))
     assert ship.recipe_of({"recipe": dataclasses.asdict(ship.T.LOOKUP)}) == "lookup"
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--items", "1"]) == 0  # ... or run on the install
     evaluated = json.loads((tmp_path / "res" / "mla.json").read_text())

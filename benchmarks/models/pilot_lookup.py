@@ -62,8 +62,6 @@ class Docs(T.LookupDocs):
 
         A row packs whole documents; the rest is end-of-text padding in a document of its own, not trained on.
         """
-        if task not in TASKS:
-            raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
         rng = random.Random(f"pilot-lookup/{step}")
         ids, mask, doc = [], [], []
         for _ in range(rows):
@@ -155,9 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers
         model = T.build_model(config)
-    if args.init:  # a --save file, or a train_reference.py state.pt (the model under "model")
-        weights = torch.load(args.init, weights_only=False)
-        model.load_state_dict(weights.get("model", weights))
+    if args.init:
+        model.load_state_dict(T.initial_weights(args.init))
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
@@ -167,6 +164,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     history = [{"step": 0, **probe(model, docs, tok, monitor)}]
     print(json.dumps(history[-1]), flush=True)
+    if args.out:
+        write_record(args, history)
     for step in range(args.steps):
         model.train()
         t0 = time.time()
@@ -197,8 +196,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if args.out:
                 write_record(args, history + [rec])
         history.append(rec)
-    if args.out and args.steps == 0:  # --steps 0: only the probe of the starting weights
-        write_record(args, history)
     return history
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +42,7 @@ CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts the results must hold
 def recipe_of(metrics: dict) -> str | None:
     """Name of the recipe in ``train_reference.RECIPES`` that the run in ``metrics`` trained on (None: none is)."""
     saved = json.loads(json.dumps(metrics.get("recipe")))
-    return next((k for k, r in T.RECIPES.items() if saved == json.loads(json.dumps(asdict(r)))), None)
+    return next((k for k, r in T.RECIPES.items() if saved == T.recipe_json(r)), None)
 
 
 def problems(metrics: dict, checkpoint: Path, smoke: bool = False) -> list[str]:

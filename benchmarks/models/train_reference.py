@@ -463,6 +463,7 @@ class LookupDocs:
         self.answer, self.eos = ids(reasoning.ANSWER), tok.eos_token_id
         self.words = [tok(" " + w, add_special_tokens=False).input_ids[0] for w in retrieval.WORDS[:words]]
         self.digits = [ids(str(d)) for d in range(10)]
+        self.copy_vocab = self.words + self.digits
         every = (f"{i:0{retrieval.VALUE_DIGITS}d}" for i in range(10**retrieval.VALUE_DIGITS))
         self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
         self.max_facts, self.separator = max_facts, separator
@@ -482,7 +483,7 @@ class LookupDocs:
 
     def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
         """A copy document: token ids and a 0/1 target mask."""
-        seq = [rng.choice(self.words + self.digits) for _ in range(rng.randint(4, 24))]
+        seq = [rng.choice(self.copy_vocab) for _ in range(rng.randint(4, 24))]
         ids = [self.query] + seq + [self.answer]
         return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
 
@@ -657,11 +658,12 @@ class Data:
                 )
         elif letter in "ya":
             rng = random.Random(f"lookup-row/{self.r.seed}/{g}")
+            task = "copy" if letter == "y" else "recall"
             while True:
-                ids, mask = self.lookup.document("copy" if letter == "y" else "recall", rng, phase.facts)
+                ids, mask = self.lookup.document(task, rng, phase.facts)
                 if len(out.ids) + len(ids) > n:
                     break  # the rest of the row is topped up with code
-                add(ids, [RETRIEVAL if m else NO_LOSS for m in mask], ("copy" if letter == "y" else "recall", g))
+                add(ids, [RETRIEVAL if m else NO_LOSS for m in mask], (task, g))
         else:
             raise ValueError(f"unknown row kind {letter!r}; expected one of {sorted(ROW_KINDS)}")
         fill = n - len(out.ids)
@@ -937,6 +939,16 @@ def count_params(model: PreTrainedModel) -> dict[str, int]:
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
 
 
+def initial_weights(init: str | Path) -> dict[str, torch.Tensor]:
+    """Float32 weights to start from: a bundled model name (its checkpoint), a state dict file, or a ``state.pt``
+    (which holds the model under ``"model"``)."""
+    if str(init) in MODEL_NAMES:
+        path = reference_models.path(str(init))
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    weights = torch.load(init, weights_only=False)
+    return weights.get("model", weights)
+
+
 def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out_dir: Path) -> int:
     """Write bf16 safetensors + config + tokenizer to ``out_dir`` (replaced); returns its size in bytes."""
     if out_dir.exists():
@@ -974,11 +986,16 @@ def training_loss(
     return loss, {g: float(v.detach()) for g, v in means.items()}
 
 
+def recipe_json(r: Recipe) -> dict:
+    """``r`` as the plain data a state or a results file holds (``asdict`` through JSON: tuples become lists)."""
+    return json.loads(json.dumps(asdict(r)))
+
+
 def same_schedule(saved: dict, r: Recipe, steps: int) -> bool:
     """Whether a state saved under recipe ``saved`` (``asdict``, through JSON) after ``steps`` steps continues under
     ``r``: everything but the phases equal, and the phases the same up to that step (a later phase may change, and
     phases may be added, as the recipe grows in legs)."""
-    now = json.loads(json.dumps(asdict(r)))
+    now = recipe_json(r)
     if {k: v for k, v in saved.items() if k != "phases"} != {k: v for k, v in now.items() if k != "phases"}:
         return False
     done = 0
@@ -1139,14 +1156,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     config = build_config(args.name, r, tok)
     model = build_model(config)
     if args.init:  # strict: the weights must have exactly this recipe's shapes
-        if bundled:
-            weights = transformers.AutoModelForCausalLM.from_pretrained(
-                reference_models.path(args.init), dtype=torch.float32
-            ).state_dict()
-        else:
-            weights = torch.load(args.init, weights_only=False)
-            weights = weights.get("model", weights)  # a state.pt holds the model under "model"
-        model.load_state_dict(weights)
+        model.load_state_dict(initial_weights(args.init))
     model.config._attn_implementation = "sdpa_pad_v"
     params = count_params(model)
     print(
@@ -1247,7 +1257,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             tmp = state_path.with_suffix(".tmp")
             torch.save(
                 {
-                    "recipe": json.loads(json.dumps(asdict(r))),
+                    "recipe": recipe_json(r),
                     "model": model.state_dict(),
                     "opt": opt.state_dict(),
                     "step": step + 1,
