@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -112,18 +113,41 @@ def test_rope_base_raised_by_a_phase():
     tr = _train_reference()
     a, b = tr.SMOKE.phases[:2]
     r = replace(tr.SMOKE, rope_theta=1e4, phases=(a, replace(b, rope_theta=5e5), tr.SMOKE.phases[2]))
-    assert [tr.rope_theta_at(r, i) for i in range(r.steps)] == [1e4] * a.steps + [5e5] * (r.steps - a.steps)
+    thetas = [tr.rope_at(r, i)["rope_theta"] for i in range(r.steps)]
+    assert thetas == [1e4] * a.steps + [5e5] * (r.steps - a.steps)
     tok = type("Tok", (), {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1})()
     model = tr.build_model(tr.build_config("gqa", r, tok)).eval()
     ids = torch.randint(2, 512, (1, 64))
     with torch.no_grad():
         before = model(input_ids=ids).logits
-        tr.set_rope_theta(model, 5e5)
+        tr.set_rope(model, tr.rope_at(r, a.steps))
         after = model(input_ids=ids).logits
         fresh = tr.build_model(tr.build_config("gqa", replace(r, rope_theta=5e5), tok)).eval()
         fresh.load_state_dict(model.state_dict())
         torch.testing.assert_close(after, fresh(input_ids=ids).logits)  # same as a model built with that base
     assert model.config.rope_parameters["rope_theta"] == 5e5 and not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_rope_scaling_slows_only_the_long_wavelengths(name):
+    from dataclasses import replace
+
+    tr = _train_reference()
+    a, b = tr.SMOKE.phases[:2]
+    r = replace(tr.SMOKE, phases=(a, replace(b, rope_scaling=(16.0, 256)), tr.SMOKE.phases[2]))
+    assert tr.rope_at(r, a.steps - 1)["rope_type"] == "default" and tr.rope_at(r, r.steps - 1)["rope_type"] == "llama3"
+    tok = type("Tok", (), {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1})()
+    model = tr.build_model(tr.build_config(name, r, tok)).eval()
+    plain = model.model.rotary_emb.inv_freq.clone()
+    tr.set_rope(model, tr.rope_at(r, a.steps))
+    scaled = model.model.rotary_emb.inv_freq
+    wavelength = 2 * math.pi / plain
+    short, long = wavelength < 256 / 4, wavelength > 256
+    assert short.any() and long.any()
+    torch.testing.assert_close(scaled[short], plain[short])  # short-range position heads keep their angles
+    torch.testing.assert_close(scaled[long], plain[long] / 16)  # the slow pairs turn 16 times slower
+    with torch.no_grad():  # the whole model runs with it
+        assert torch.isfinite(model(input_ids=torch.randint(2, 512, (1, 64))).logits).all()
 
 
 def test_rows_of_every_kind(smoke_tokenizer):
@@ -426,3 +450,6 @@ def test_a_state_continues_under_appended_phases_only():
     assert not tr.same_schedule(saved, changed, 900) and not tr.same_schedule(saved, changed, 10)
     later = dc.replace(tr.LOOKUP, phases=(first, dc.replace(rest[0], mix="aaaaaarr"), *rest[1:]))
     assert tr.same_schedule(saved, later, first.steps) and not tr.same_schedule(saved, later, first.steps + 1)
+    # a state written before a Phase field existed reads it as its default
+    older = dict(saved, phases=[{k: v for k, v in p.items() if k != "rope_scaling"} for p in saved["phases"]])
+    assert tr.same_schedule(older, grown, tr.LOOKUP.steps)

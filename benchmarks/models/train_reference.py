@@ -39,7 +39,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,8 +117,11 @@ class Phase:
         weights: weights of the reasoning, code and retrieval groups in the loss (see :func:`training_loss`).
         chains, queries, tokens_per_fact: density of the retrieval items (see :func:`retrieval.make_item`; the
             held-out items use the defaults, a drill packs more lookups into an item).
-        rope_theta: RoPE base from this phase on (None: the recipe's ``rope_theta``), for length extension by
-            raising the base.
+        rope_theta: RoPE base from this phase on (None: the previous phase's), for length extension by raising it.
+        rope_scaling: ``(factor, original_context)`` from this phase on (None: the previous phase's): transformers'
+            ``llama3`` RoPE, which keeps the frequencies of wavelengths up to a quarter of ``original_context``,
+            slows those beyond ``original_context`` ``factor`` times and blends between; short-range position
+            heads (the reasoning lookup) keep their angles while the slow pairs stop turning over long distances.
         facts: most facts in a recall document (``a`` rows), drawn uniformly from 1.
     """
 
@@ -138,27 +141,40 @@ class Phase:
     tokens_per_fact: int = _HELD_OUT_DENSITY[2]
     rope_theta: float | None = None
     facts: int = 16
+    rope_scaling: tuple[float, int] | None = None
 
     @property
     def rows(self) -> int:
         return len(self.mix)
 
 
-def rope_theta_at(r: "Recipe", step: int) -> float:
-    """RoPE base in effect at optimizer step ``step``: the last phase up to it that sets one, else the recipe's."""
-    theta, done = r.rope_theta, 0
+def rope_at(r: "Recipe", step: int) -> dict[str, object]:
+    """The model's ``rope_parameters`` at optimizer step ``step``: the RoPE base and scaling of the last phase up to it
+    that sets one (else the recipe's base, unscaled)."""
+    theta, scaling, done = r.rope_theta, None, 0
     for p in r.phases:
         if done > step:
             break
         theta = p.rope_theta if p.rope_theta is not None else theta
+        scaling = p.rope_scaling if p.rope_scaling is not None else scaling
         done += p.steps
-    return theta
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    factor, original_context = scaling
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original_context),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
 
 
-def set_rope_theta(model: PreTrainedModel, theta: float) -> None:
-    """Give ``model`` the RoPE base ``theta`` (config and the rotary embedding's frequencies)."""
-    if model.config.rope_parameters["rope_theta"] != theta:
-        model.config.rope_parameters["rope_theta"] = theta
+def set_rope(model: PreTrainedModel, rope_parameters: dict[str, object]) -> None:
+    """Give ``model`` these RoPE parameters (config and the rotary embedding's frequencies)."""
+    if model.config.rope_parameters != rope_parameters:
+        model.config.rope_parameters = dict(rope_parameters)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
 
 
@@ -297,6 +313,40 @@ LOOKUP = Recipe(
     )
 )
 
+def _leg_after_lookup(rope_theta: float = 1e4, rope_scaling: tuple[float, int] | None = None) -> Recipe:
+    """LOOKUP and a third leg of real 4K-token rows (``--resume`` continues a LOOKUP state) under these RoPE settings.
+
+    At base 1e4 (head_dim 64) only the slowest two or three frequency pairs turn less than ~1 rad over 8K tokens,
+    so a content match between a query and a needle 8K back rests on few dimensions. Raising the base to 5e5 leaves
+    eight pairs under 0.5 rad over 8K but changes every pair's angle but the fastest (the reasoning lookup, 17-19
+    tokens back, must be learnt again); llama3-style scaling by 32 from 512 keeps the eleven fastest pairs exactly
+    and leaves ten under 0.6 rad. The legs differ only in these settings (an A/B/C of the lever).
+    """
+    ext = Phase(
+        "ext",
+        360,
+        4096,
+        "rk",
+        5e-4,
+        5e-5,
+        warmup=20,
+        max_rows=99,
+        retrieval=(2048, 3072, 4096),
+        span=16384,
+        chains=(8, 16),
+        queries=8,
+        tokens_per_fact=32,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+    )
+    return replace(LOOKUP, phases=LOOKUP.phases + (ext,))
+
+
+LOOKUP_EXT = _leg_after_lookup(rope_theta=5e5)
+LOOKUP_EXT_SCALED = _leg_after_lookup(rope_scaling=(32.0, 512))
+LOOKUP_EXT_CONTROL = _leg_after_lookup()
+
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -311,7 +361,14 @@ SMOKE = Recipe(
     ),
 )
 
-RECIPES = {"full": FULL, "lookup": LOOKUP, "smoke": SMOKE}
+RECIPES = {
+    "full": FULL,
+    "lookup": LOOKUP,
+    "lookup-ext": LOOKUP_EXT,
+    "lookup-ext-scaled": LOOKUP_EXT_SCALED,
+    "lookup-ext-control": LOOKUP_EXT_CONTROL,
+    "smoke": SMOKE,
+}
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -387,7 +444,7 @@ def build_config(name: str, r: Recipe, tok: PreTrainedTokenizerFast) -> Pretrain
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": r.rope_theta},
+        rope_parameters=rope_at(r, 0),
     )
     if name == "mla":
         return DeepseekV3Config(
@@ -1000,6 +1057,8 @@ def same_schedule(saved: dict, r: Recipe, steps: int) -> bool:
         return False
     done = 0
     for old, new in zip(saved["phases"], now["phases"]):
+        # a field added to Phase after the state was written reads as its default, which keeps the old behaviour
+        old = json.loads(json.dumps(asdict(Phase(**_phase(old)))))
         if done + old["steps"] >= steps:  # the phase the state is in: same layout, same schedule up to the state
             same_lr = all(
                 Recipe(phases=(Phase(**_phase(old)),)).lr_at(i) == Recipe(phases=(Phase(**_phase(new)),)).lr_at(i)
@@ -1191,7 +1250,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         model.train()
         t0 = time.time()
         phase, _ = r.phase_at(step)
-        set_rope_theta(model, rope_theta_at(r, step))
+        set_rope(model, rope_at(r, step))
         for g in opt.param_groups:
             g["lr"] = r.lr_at(step)
         seq, kind, doc, offset = data.batch(step)
