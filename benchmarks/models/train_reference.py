@@ -313,6 +313,7 @@ LOOKUP = Recipe(
     )
 )
 
+
 def _leg_after_lookup(rope_theta: float = 1e4, rope_scaling: tuple[float, int] | None = None) -> Recipe:
     """LOOKUP and a third leg of real 4K-token rows (``--resume`` continues a LOOKUP state) under these RoPE settings.
 
