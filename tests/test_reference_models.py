@@ -453,3 +453,30 @@ def test_a_state_continues_under_appended_phases_only():
     # a state written before a Phase field existed reads it as its default
     older = dict(saved, phases=[{k: v for k, v in p.items() if k != "rope_scaling"} for p in saved["phases"]])
     assert tr.same_schedule(older, grown, tr.LOOKUP.steps)
+
+
+def test_compare_legs_pairs_the_same_items(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import compare_legs
+    finally:
+        sys.path.pop(0)
+
+    def record(right: list[int], seed: int = 20000) -> dict:
+        items = [{"index": i, "exact": i in right} for i in range(10)]
+        return {
+            "held_out_reasoning": {"n": 4, "failed_indices": [0, 1]},
+            "held_out_retrieval": [{"context": 2048, "seed": seed, "items": items}],
+        }
+
+    paths = {}
+    for label, rec in {"a": record([0, 1]), "b": record([1, 2, 3, 4, 5, 6, 7, 8]), "c": record([1], seed=7)}.items():
+        paths[label] = tmp_path / f"{label}.json"
+        paths[label].write_text(json.dumps(rec))
+    compare_legs.main([f"{k}={v}" for k, v in list(paths.items())[:2]])
+    out = capsys.readouterr().out
+    # b wins 7 items a lost and loses item 0: exact McNemar 2 * P[X <= 1], X ~ Bin(8, 1/2) = 18 / 256
+    assert "| retrieval @2048 (seed 20000) | 2/10 (0.06-0.51) | 8/10 (0.49-0.94); vs a +7 -1, p = 0.07 |" in out
+    assert "vs a +0 -0, p = 1" in out  # reasoning: the same two items right
+    compare_legs.main([f"{k}={v}" for k, v in paths.items()])
+    assert "retrieval" not in capsys.readouterr().out  # another seed: other items, not paired
