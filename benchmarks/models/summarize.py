@@ -290,8 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="directory of <name>.json (default: committed)")
     parser.add_argument("--readme", type=Path, help="a README template to fill (see the module docstring)")
-    parser.add_argument("--models", type=lambda s: tuple(s.split(",")), default=NAMES,
-                        help=f"the models to table (default {','.join(NAMES)})")
+    parser.add_argument(
+        "--models",
+        type=lambda s: tuple(s.split(",")),
+        default=NAMES,
+        help=f"the models to table (default {','.join(NAMES)})",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models) - set(NAMES))
     if unknown:
