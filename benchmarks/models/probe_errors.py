@@ -1,11 +1,15 @@
-"""Where a reference model's teacher-forced predictions go wrong on held-out reasoning items.
+"""Where a reference model's teacher-forced predictions go wrong on held-out reasoning or retrieval items.
 
-Counts wrong argmax tokens by place in the scratchpad: the first generated row or a later one, and within a
-row the two-digit rows-to-go counter, the cells or the row break; then the answer and end of text. This is
-the probe behind the openings phase in README.md (step 1400: the first row's counter held every error).
+Reasoning: counts wrong argmax tokens by place in the scratchpad: the first generated row or a later one, and
+within a row the two-digit rows-to-go counter, the cells or the row break; then the answer and end of text. This
+is the probe behind the openings phase in README.md (step 1400: the first row's counter held every error).
+Retrieval (``--context N``): by place in the written facts: ``<|key|>``, the queried key (copied from the query),
+a chain's next key (the value just written), ``<|value|>``, the value's first token (the lookup far back), its
+later digits, and the end of text.
 
     python benchmarks/models/probe_errors.py gqa                        # the bundled checkpoint
     python benchmarks/models/probe_errors.py gqa --state runs/gqa/state.pt --items 100
+    python benchmarks/models/probe_errors.py mha --state runs/lookup-ext-mha/state.pt --context 8192 --items 20
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
-from train_reference import target_hits  # noqa: E402  (this folder is on the path: the script's own)
+from train_reference import rope_of_state, set_rope, target_hits  # noqa: E402  (this folder is on the path)
 
 from kvarn_mla import reference_models  # noqa: E402
-from kvarn_mla.evaluation import reasoning  # noqa: E402
+from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
 
 
 def place(index: int, num_rows: int, task: reasoning.Task) -> str:
@@ -53,6 +57,33 @@ def probe(model, tokenizer, items: int, task: reasoning.Task) -> tuple[Counter, 
     return wrong, total
 
 
+def retrieval_places(item: retrieval.Item, tokenizer) -> list[str]:
+    """The place of every target token of ``item`` (and its end of text), in order."""
+    places = []
+    values = {f.key: f.value for f in item.facts}
+    for chain in item.chains:
+        for hop, key in enumerate(chain):
+            value_tokens = len(tokenizer(retrieval.fact_text(key, values[key]), add_special_tokens=False).input_ids) - 3
+            places += ["<|key|>", "queried key" if hop == 0 else "chain key", "<|value|>", "value: first token"]
+            places += ["value: later digits"] * (value_tokens - 1)
+    return places + ["end of text"]
+
+
+@torch.no_grad()
+def probe_retrieval(model, tokenizer, items: int, context: int, seed: int) -> tuple[Counter, Counter]:
+    """Wrong and total target tokens per :func:`retrieval_places` over ``items`` held-out items."""
+    wrong, total = Counter(), Counter()
+    for item in retrieval.held_out_items(tokenizer, context, seed, items):
+        prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
+        target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        places = retrieval_places(item, tokenizer)
+        assert len(places) == len(target), (len(places), len(target))
+        for key, ok in zip(places, target_hits(model, prompt, target)):
+            total[key] += 1
+            wrong[key] += not ok
+    return wrong, total
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=("mla", "gqa", "mha"))
@@ -64,20 +95,26 @@ def main(argv: list[str] | None = None) -> None:
         choices=sorted(reasoning.TASKS),
         help="reasoning task version (default: the checkpoint's; a --state of a run on another version needs it)",
     )
+    parser.add_argument("--context", type=int, help="probe held-out retrieval items of this many tokens instead")
+    parser.add_argument("--seed", type=int, default=20000, help="retrieval seed (default: the evaluation's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     checkpoint = reference_models.path(args.name)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    if args.state is not None:  # same architecture, the weights of that step (float32, as trained)
-        model.load_state_dict(torch.load(args.state, weights_only=False)["model"])
+    if args.state is not None:  # same architecture, the weights and RoPE of that step (float32, as trained)
+        state = torch.load(args.state, weights_only=False)
+        model.load_state_dict(state["model"])
+        set_rope(model, rope_of_state(state))
     model.eval()
-    task = reasoning.TASKS[args.task] if args.task else reasoning.task_of(model.config)
-    wrong, total = probe(model, tokenizer, args.items, task)
-    print(
-        f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out items "
-        f"(task version {task.version})"
-    )
+    if args.context:
+        wrong, total = probe_retrieval(model, tokenizer, args.items, args.context, args.seed)
+        suite = f"retrieval items of {args.context} tokens, seed {args.seed}"
+    else:
+        task = reasoning.TASKS[args.task] if args.task else reasoning.task_of(model.config)
+        wrong, total = probe(model, tokenizer, args.items, task)
+        suite = f"reasoning items, task version {task.version}"
+    print(f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out {suite}")
     for key in sorted(total):
         print(f"  {key:<22} {wrong[key]:>5} / {total[key]:,}")
 

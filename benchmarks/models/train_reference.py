@@ -92,7 +92,9 @@ ROW_KINDS = {
 }
 
 
-_HELD_OUT_DENSITY = ((retrieval.MIN_CHAINS, retrieval.MAX_CHAINS), retrieval.MAX_QUERIES, retrieval.TOKENS_PER_FACT)
+# Retrieval density of a phase that sets none: the held-out items' as these recipes were first run (up to four queries
+# an item; held-out items ask one since 2026-12-02, see the retrieval module), so the committed recipes keep their data
+_HELD_OUT_DENSITY = ((retrieval.MIN_CHAINS, retrieval.MAX_CHAINS), 4, retrieval.TOKENS_PER_FACT)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Phase:
             spread over up to ``span`` positions by one or two random jumps (0: contiguous positions).
         weights: weights of the reasoning, code and retrieval groups in the loss (see :func:`training_loss`).
         chains, queries, tokens_per_fact: density of the retrieval items (see :func:`retrieval.make_item`; the
-            held-out items use the defaults, a drill packs more lookups into an item).
+            default is the held-out items' as the first recipes were run, a drill packs more lookups into an item).
         rope_theta: RoPE base from this phase on (None: the previous phase's), for length extension by raising it.
         rope_scaling: ``(factor, original_context)`` from this phase on (None: the previous phase's): transformers'
             ``llama3`` RoPE, which keeps the frequencies of wavelengths up to a quarter of ``original_context``,
@@ -348,6 +350,31 @@ LOOKUP_EXT_SCALED = _leg_after_lookup(rope_scaling=(32.0, 512))
 LOOKUP_EXT_CONTROL = _leg_after_lookup()
 
 
+# A fourth leg, from the scaled one: items of one query, as held out since 2026-12-02 (the scaled leg trained on up
+# to 8 queries an item, and its models write more facts after the first chain instead of the end of text).
+LOOKUP_ONE_QUERY = replace(
+    LOOKUP_EXT_SCALED,
+    phases=LOOKUP_EXT_SCALED.phases
+    + (
+        Phase(
+            "one-query",
+            200,
+            4096,
+            "rk",
+            3e-4,
+            3e-5,
+            warmup=10,
+            max_rows=99,
+            retrieval=(1024, 2048, 4096),
+            span=16384,
+            chains=(8, 16),
+            queries=1,
+            tokens_per_fact=32,
+        ),
+    ),
+)
+
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -368,6 +395,7 @@ RECIPES = {
     "lookup-ext": LOOKUP_EXT,
     "lookup-ext-scaled": LOOKUP_EXT_SCALED,
     "lookup-ext-control": LOOKUP_EXT_CONTROL,
+    "lookup-1q": LOOKUP_ONE_QUERY,
     "smoke": SMOKE,
 }
 
@@ -1005,6 +1033,13 @@ def initial_weights(init: str | Path) -> dict[str, torch.Tensor]:
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     weights = torch.load(init, weights_only=False)
     return weights.get("model", weights)
+
+
+def rope_of_state(state: dict) -> dict[str, object]:
+    """The RoPE parameters a training state's weights were last trained under (``state.pt``: its recipe and step)."""
+    saved = state["recipe"]
+    phases = tuple(Phase(**_phase(p)) for p in saved["phases"])
+    return rope_at(Recipe(**{**saved, "phases": phases}), max(0, state["step"] - 1))
 
 
 def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out_dir: Path) -> int:

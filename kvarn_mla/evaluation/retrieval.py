@@ -7,20 +7,27 @@ An item is ``context`` tokens of Python source (the stdlib code split, :mod:`kva
     ...
         def close(self):<|key|> stream<|value|> render        (a fact whose value is another key)
     ...
-    <|query|> stream table<|answer|>
+    <|query|> stream<|answer|>
 
-and the model writes, for each queried key in order, every fact on the way from the key to a number::
+and the model writes every fact on the way from the queried key to a number::
 
-    <|key|> stream<|value|> render<|key|> render<|value|>4821<|key|> table<|value|>0937
+    <|key|> stream<|value|> render<|key|> render<|value|>4821
 
 then ``<|endoftext|>``. A key is one lowercase word of :data:`WORDS` (a single token of the reference models'
 tokenizer, with its leading space); a value is either :data:`VALUE_DIGITS` digits (single tokens) or another key.
 Facts form *chains* ``k1 -> k2 -> ... -> number`` of 1..``MAX_HOPS`` facts: a one-fact chain is multi-key
 associative recall, a longer one variable tracking (the model resolves one hop per written fact, so every hop
 is the same lookup). Each key is defined by exactly one fact, so the token sequence ``<|key|> w<|value|>`` of a
-lookup occurs exactly once earlier in the prompt. Items hold 4..8 chains, 1..4 of them queried; chains that are
-not queried are distractors (short contexts hold fewer facts, see :data:`TOKENS_PER_FACT`). :func:`check` demands the
-whole target; :func:`check_answers` scores the numbers.
+lookup occurs exactly once earlier in the prompt. Items hold 4..8 chains, one of them queried; the others are
+distractors (short contexts hold fewer facts, see :data:`TOKENS_PER_FACT`). :func:`check` demands the whole target;
+:func:`check_answers` scores the numbers.
+
+One query an item (RULER's multi-key needle and variable tracking; its multi-query variant dropped). Until
+2026-12-02 held-out items asked 1..4 keys (``<|query|> stream table<|answer|>``, the chains answered in query
+order): teacher-forced, the 4-layer reference models then wrote every looked-up value right (4 of 95 wrong at 2K
+tokens) but never the second or a later queried key (32 of 32 wrong, after 2,460 training steps on items with up
+to 8 queries): taking the next key from the query list is a pointer these models do not learn, and it is not the
+long-range retrieval the task measures. Training drills may still pack several queries (``max_queries``).
 
 Splits and seeds. An item is a pure function of ``(tokenizer, context, seed, index)``. Seeds in
 :data:`TRAIN_SEEDS` make training items; every other seed makes held-out items. The two never share content,
@@ -81,7 +88,7 @@ VALUE_DIGITS = 4  # a number value is this many digits (each a single token)
 HELD_OUT_VALUE_PERCENT = 20  # share of the 10**VALUE_DIGITS numbers reserved for held-out items
 TRAIN_SEEDS = range(0, 1000)  # training items use these seeds only; any other seed gives held-out items
 MIN_CHAINS, MAX_CHAINS = 4, 8
-MAX_QUERIES = 4
+MAX_QUERIES = 1  # queried chains an item (held out; see the module docstring)
 MAX_HOPS = 3  # facts per chain
 TOKENS_PER_FACT = 64  # short contexts hold fewer facts: at most one per this many tokens (no limit from 1,536 on)
 
