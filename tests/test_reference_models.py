@@ -476,7 +476,7 @@ def test_compare_legs_pairs_the_same_items(tmp_path, capsys):
     compare_legs.main([f"{k}={v}" for k, v in list(paths.items())[:2]])
     out = capsys.readouterr().out
     # b wins 7 items a lost and loses item 0: exact McNemar 2 * P[X <= 1], X ~ Bin(8, 1/2) = 18 / 256
-    assert "| retrieval @2048 (seed 20000) | 2/10 (0.06-0.51) | 8/10 (0.49-0.94); vs a +7 -1, p = 0.07 |" in out
+    assert "| retrieval v1 @2048 (seed 20000) | 2/10 (0.06-0.51) | 8/10 (0.49-0.94); vs a +7 -1, p = 0.07 |" in out
     assert "vs a +0 -0, p = 1" in out  # reasoning: the same two items right
     compare_legs.main([f"{k}={v}" for k, v in paths.items()])
     assert "retrieval" not in capsys.readouterr().out  # another seed: other items, not paired

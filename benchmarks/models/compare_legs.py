@@ -5,8 +5,8 @@
 
 Every run is scored against the first: held-out reasoning and retrieval exact match at each context both evaluated,
 with Wilson 95% intervals and the exact McNemar test on the items where the two runs disagree. A suite is tabled
-only where every run has it at the same context and seed (an item is a pure function of tokenizer, context, seed
-and index, so the runs of one model then saw the same items).
+only where every run has it at the same task version, context and seed (an item is a pure function of tokenizer,
+context, seed and index, so the runs of one model then saw the same items).
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from kvarn_mla.evaluation.checkers import mcnemar_exact, wilson_interval  # noqa
 
 
 def verdicts(record: dict) -> dict[str, dict[int, bool]]:
-    """``{suite: {item index: exact}}``: ``reasoning`` and ``retrieval @N (seed S)`` for each evaluated context N."""
+    """``{suite: {item index: exact}}``: ``reasoning``, and ``retrieval vV @N (seed S)`` for each evaluated task
+    version V and context N."""
     out: dict[str, dict[int, bool]] = {}
     reasoning = record.get("held_out_reasoning")
     if reasoning:
         failed = set(reasoning["failed_indices"])
         out["reasoning"] = {i: i not in failed for i in range(reasoning["n"])}
-    for res in record.get("held_out_retrieval", []):
-        out[f"retrieval @{res['context']} (seed {res['seed']})"] = {
+    for res in record.get("held_out_retrieval", []):  # records before task version 2 hold none: version 1
+        version = res.get("task_version", 1)
+        out[f"retrieval v{version} @{res['context']} (seed {res['seed']})"] = {
             it["index"]: bool(it["exact"]) for it in res["items"]
         }
     return out

@@ -961,6 +961,7 @@ def eval_retrieval(
     return {
         "context": context,
         "seed": seed,
+        "task_version": retrieval.VERSION,
         "n": n,
         "exact_match": correct / n,
         "correct": correct,

@@ -65,6 +65,7 @@ __all__ = [
     "TRAIN_SEEDS",
     "VALUE",
     "VALUE_DIGITS",
+    "VERSION",
     "WORDS",
     "Fact",
     "Item",
@@ -89,6 +90,7 @@ HELD_OUT_VALUE_PERCENT = 20  # share of the 10**VALUE_DIGITS numbers reserved fo
 TRAIN_SEEDS = range(0, 1000)  # training items use these seeds only; any other seed gives held-out items
 MIN_CHAINS, MAX_CHAINS = 4, 8
 MAX_QUERIES = 1  # queried chains an item (held out; see the module docstring)
+VERSION = 2  # of the held-out items: 1 asked 1..4 keys (until 2026-12-02), 2 asks one; results record it
 MAX_HOPS = 3  # facts per chain
 TOKENS_PER_FACT = 64  # short contexts hold fewer facts: at most one per this many tokens (no limit from 1,536 on)
 
