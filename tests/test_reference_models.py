@@ -268,24 +268,33 @@ def test_training_script_smoke(tmp_path):
     )
     assert again["history"] == metrics["history"]
     # --eval-only merges new retrieval contexts into the results file.
-    merged = train_reference.main(
-        [
-            "mla",
-            *common,
-            "--eval-only",
-            "--out-dir",
-            str(tmp_path / "ckpt"),
-            "--results",
-            str(results),
-            "--eval-items",
-            "0",
-            "--eval-code-window",
-            "0",
-            "--eval-contexts",
-            "320",
-        ]
-    )
+    eval_args = [
+        "mla",
+        *common,
+        "--eval-only",
+        "--out-dir",
+        str(tmp_path / "ckpt"),
+        "--results",
+        str(results),
+        "--eval-items",
+        "0",
+        "--eval-code-window",
+        "0",
+        "--eval-contexts",
+        "320",
+    ]
+    merged = train_reference.main(eval_args)
     assert [r["context"] for r in merged["held_out_retrieval"]] == [320, 640]
+    # a result of task version 1 (recorded without a version) stays beside the same context's current one
+    first = json.loads(results.read_text())
+    first["held_out_retrieval"] = [
+        {k: v for k, v in r.items() if k != "task_version"} for r in merged["held_out_retrieval"]
+    ]
+    (tmp_path / "v1.json").write_text(json.dumps(first))
+    eval_640 = [str(tmp_path / "v1.json") if a == str(results) else "640" if a == "320" else a for a in eval_args]
+    both = train_reference.main(eval_640)
+    versions = [(r.get("task_version", 1), r["context"]) for r in both["held_out_retrieval"]]
+    assert versions == [(1, 320), (1, 640), (train_reference.retrieval.VERSION, 640)]
     # --init starts from saved weights (here the run's last state; a fresh optimizer): no step, the same weights out.
     skip = ["--eval-items", "0", "--eval-retrieval-items", "0", "--eval-code-window", "0", "--max-steps", "0"]
     started = train_reference.main(

@@ -1036,6 +1036,11 @@ def initial_weights(init: str | Path) -> dict[str, torch.Tensor]:
     return weights.get("model", weights)
 
 
+def _retrieval_suite(result: dict) -> tuple[int, int, int]:
+    """(task version, context, seed) of a held-out retrieval result (results before versions were recorded: 1)."""
+    return result.get("task_version", 1), result["context"], result["seed"]
+
+
 def rope_of_state(state: dict) -> dict[str, object]:
     """The RoPE parameters a training state's weights were last trained under (``state.pt``: its recipe and step)."""
     saved = state["recipe"]
@@ -1241,10 +1246,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         metrics = json.loads(results.read_text()) if results.exists() else {"name": args.name}
         evaluation = evaluate(shipped, data, args, args.smoke)
         for key, value in evaluation.items():
-            if key == "held_out_retrieval":  # merge by context: an eval-only run may cover some contexts only
-                old = {res["context"]: res for res in metrics.get(key, [])}
-                old.update({res["context"]: res for res in value})
-                value = [old[c] for c in sorted(old)]
+            if key == "held_out_retrieval":  # merge: an eval-only run may cover some contexts, seeds or versions
+                merged = {_retrieval_suite(res): res for res in metrics.get(key, []) + value}
+                value = [merged[k] for k in sorted(merged)]
             metrics[key] = value
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
