@@ -325,23 +325,9 @@ def _leg_after_lookup(rope_theta: float = 1e4, rope_scaling: tuple[float, int] |
     tokens back, must be learnt again); llama3-style scaling by 32 from 512 keeps the eleven fastest pairs exactly
     and leaves ten under 0.6 rad. The legs differ only in these settings (an A/B/C of the lever).
     """
-    ext = Phase(
-        "ext",
-        360,
-        4096,
-        "rk",
-        5e-4,
-        5e-5,
-        warmup=20,
-        max_rows=99,
-        retrieval=(2048, 3072, 4096),
-        span=16384,
-        chains=(8, 16),
-        queries=8,
-        tokens_per_fact=32,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-    )
+    long4k = LOOKUP.phases[-1]  # the same rows, longer and at a higher rate
+    ext = replace(long4k, name="ext", steps=360, lr=5e-4, final_lr=5e-5, warmup=20)
+    ext = replace(ext, rope_theta=rope_theta, rope_scaling=rope_scaling)
     return replace(LOOKUP, phases=LOOKUP.phases + (ext,))
 
 
@@ -352,24 +338,22 @@ LOOKUP_EXT_CONTROL = _leg_after_lookup()
 
 # A fourth leg, from the scaled one: items of one query, as held out since 2026-12-02 (the scaled leg trained on up
 # to 8 queries an item, and its models write more facts after the first chain instead of the end of text).
+_SCALED = LOOKUP_EXT_SCALED.phases[-1]
 LOOKUP_ONE_QUERY = replace(
     LOOKUP_EXT_SCALED,
     phases=LOOKUP_EXT_SCALED.phases
     + (
-        Phase(
-            "one-query",
-            200,
-            4096,
-            "rk",
-            3e-4,
-            3e-5,
+        replace(
+            _SCALED,
+            name="one-query",
+            steps=200,
+            lr=3e-4,
+            final_lr=3e-5,
             warmup=10,
-            max_rows=99,
             retrieval=(1024, 2048, 4096),
-            span=16384,
-            chains=(8, 16),
             queries=1,
-            tokens_per_fact=32,
+            rope_theta=None,
+            rope_scaling=None,
         ),
     ),
 )
