@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
-from kvarn_mla.evaluation.checkers import mcnemar_exact, wilson_interval  # noqa: E402
+from kvarn_mla.evaluation.checkers import wilson_interval  # noqa: E402
+from kvarn_mla.evaluation.paired import compare  # noqa: E402
 
 
 def verdicts(record: dict) -> dict[str, dict[int, bool]]:
@@ -46,10 +47,8 @@ def cell(mine: dict[int, bool]) -> str:
 
 
 def paired(mine: dict[int, bool], ref: dict[int, bool]) -> str:
-    common = mine.keys() & ref.keys()
-    won = sum(mine[i] and not ref[i] for i in common)
-    lost = sum(ref[i] and not mine[i] for i in common)
-    return f"+{won} -{lost}, p = {mcnemar_exact(won, lost):.2g}"
+    c = compare(mine, ref, "reference")
+    return f"+{c.only_method} -{c.only_partner}, p = {c.p_value:.2g}"
 
 
 def main(argv: list[str] | None = None) -> int:

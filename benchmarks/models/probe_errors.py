@@ -57,13 +57,13 @@ def probe(model, tokenizer, items: int, task: reasoning.Task) -> tuple[Counter, 
     return wrong, total
 
 
-def retrieval_places(item: retrieval.Item, tokenizer) -> list[str]:
+def retrieval_places(item: retrieval.Item) -> list[str]:
     """The place of every target token of ``item`` (and its end of text), in order."""
     places = []
     values = {f.key: f.value for f in item.facts}
     for chain in item.chains:
         for hop, key in enumerate(chain):
-            value_tokens = len(tokenizer(retrieval.fact_text(key, values[key]), add_special_tokens=False).input_ids) - 3
+            value_tokens = retrieval.VALUE_DIGITS if values[key].isdigit() else 1  # digits are single tokens
             places += ["<|key|>", "queried key" if hop == 0 else "chain key", "<|value|>", "value: first token"]
             places += ["value: later digits"] * (value_tokens - 1)
     return places + ["end of text"]
@@ -76,7 +76,7 @@ def probe_retrieval(model, tokenizer, items: int, context: int, seed: int) -> tu
     for item in retrieval.held_out_items(tokenizer, context, seed, items):
         prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
         target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        places = retrieval_places(item, tokenizer)
+        places = retrieval_places(item)
         assert len(places) == len(target), (len(places), len(target))
         for key, ok in zip(places, target_hits(model, prompt, target)):
             total[key] += 1

@@ -326,8 +326,16 @@ def _leg_after_lookup(rope_theta: float = 1e4, rope_scaling: tuple[float, int] |
     and leaves ten under 0.6 rad. The legs differ only in these settings (an A/B/C of the lever).
     """
     long4k = LOOKUP.phases[-1]  # the same rows, longer and at a higher rate
-    ext = replace(long4k, name="ext", steps=360, lr=5e-4, final_lr=5e-5, warmup=20)
-    ext = replace(ext, rope_theta=rope_theta, rope_scaling=rope_scaling)
+    ext = replace(
+        long4k,
+        name="ext",
+        steps=360,
+        lr=5e-4,
+        final_lr=5e-5,
+        warmup=20,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+    )
     return replace(LOOKUP, phases=LOOKUP.phases + (ext,))
 
 
@@ -338,13 +346,12 @@ LOOKUP_EXT_CONTROL = _leg_after_lookup()
 
 # A fourth leg, from the scaled one: items of one query, as held out since 2026-12-02 (the scaled leg trained on up
 # to 8 queries an item, and its models write more facts after the first chain instead of the end of text).
-_SCALED = LOOKUP_EXT_SCALED.phases[-1]
 LOOKUP_ONE_QUERY = replace(
     LOOKUP_EXT_SCALED,
     phases=LOOKUP_EXT_SCALED.phases
     + (
         replace(
-            _SCALED,
+            LOOKUP_EXT_SCALED.phases[-1],
             name="one-query",
             steps=200,
             lr=3e-4,
