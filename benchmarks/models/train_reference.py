@@ -366,6 +366,54 @@ LOOKUP_ONE_QUERY = replace(
 )
 
 
+# Version 4: one run from random weights that puts every lesson of the legs above in one order, so the three models
+# share data, steps and seed again (the legs started from v2 GQA/MHA weights that MLA never had). About 2.7 h of one
+# core a model. The long phases train on denser retrieval items than the held-out ones (a fact per 32 tokens, 8-16
+# chains), up to 4 queries an item in the first and one (as held out) after it: the one-query leg taught MHA to stop.
+_LONG_RETRIEVAL = dict(span=16384, chains=(8, 16), queries=1, tokens_per_fact=32, max_rows=99)
+V4 = Recipe(
+    phases=(
+        # the reasoning task's fixed-offset lookup first, on short rows at base 1e4 (MLA formed it only this way)
+        Phase("warm", 300, 512, "rrrr", 2e-3, 2e-3, warmup=50, max_rows=16, weights=(1.0, 0.1, 1.0)),
+        # the content lookup: copy documents in nearly every row (GQA, one kv head, formed it from 8 copy rows of 8 and
+        # not from 6), then recall with 1-4 facts before 1-16 (GQA needed the small stage; MHA did not)
+        Phase("copy", 600, 512, "yyyyyyyr", 3e-3, 3e-3, warmup=20, max_rows=16, weights=(1.0, 0.3, 2.0)),
+        Phase("recall4", 300, 512, "aaaaaarc", 2e-3, 2e-3, max_rows=16, weights=(1.0, 0.3, 2.0), facts=4),
+        Phase("recall16", 300, 512, "aaaaaarc", 1e-3, 1e-3, max_rows=16, weights=(1.0, 0.3, 2.0), facts=16),
+        # retrieval items with code filler carry the lookup over to the real task (recall alone did not)
+        Phase(
+            "filler",
+            400,
+            512,
+            "kkkkaarc",
+            1e-3,
+            1e-3,
+            max_rows=16,
+            weights=(1.0, 0.3, 2.0),
+            chains=(6, 12),
+            tokens_per_fact=32,
+        ),
+        # long items under llama3-style RoPE scaling (x32 from 512: the reasoning lookup's fast pairs keep their
+        # angles, the slow pairs stop turning over 16K), one query an item as held out, whole reasoning items of up to
+        # 99 rows next to each retrieval row
+        Phase(
+            "main",
+            450,
+            2560,
+            "rk",
+            1.5e-3,
+            2e-4,
+            warmup=20,
+            retrieval=(1024, 1536, 2560),
+            rope_scaling=(32.0, 512),
+            **{**_LONG_RETRIEVAL, "queries": 4},  # more lookups a row while the long-range match forms
+        ),
+        Phase("long4k", 300, 4096, "rk", 5e-4, 5e-5, warmup=20, retrieval=(2048, 3072, 4096), **_LONG_RETRIEVAL),
+        Phase("anneal", 200, 4096, "rk", 1e-4, 1e-5, retrieval=(1024, 2048, 4096), **_LONG_RETRIEVAL),
+    )
+)
+
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -387,6 +435,7 @@ RECIPES = {
     "lookup-ext-scaled": LOOKUP_EXT_SCALED,
     "lookup-ext-control": LOOKUP_EXT_CONTROL,
     "lookup-1q": LOOKUP_ONE_QUERY,
+    "v4": V4,
     "smoke": SMOKE,
 }
 
