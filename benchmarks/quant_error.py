@@ -37,7 +37,10 @@ def main() -> None:
     exact = torch.softmax(queries @ keys.transpose(-1, -2) * scale, -1) @ values
     print("Synthetic keys: 32 tiles of 128 tokens x 128 channels, 4 outlier channels (x20), log-normal token norms;")
     print("16 queries per tile, exact values. Written by `python benchmarks/quant_error.py`.\n")
-    print("| bits | method | worst token rel. err | median token rel. err | overall rel. err | attention-output rel. err |")
+    print(
+        "| bits | method | worst token rel. err | median token rel. err | overall rel. err "
+        "| attention-output rel. err |"
+    )
     print("|---|---|---|---|---|---|")
     for bits in (2, 3, 4, 8):
         for name, kwargs in METHODS.items():

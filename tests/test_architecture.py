@@ -27,7 +27,8 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                names = [f"{base}.{alias.name}" for alias in node.names]
+                targets = [name if name in modules else base for name in names]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:

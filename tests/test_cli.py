@@ -14,14 +14,15 @@ from transformers import AutoConfig
 
 from kvarn_mla import PRESETS, KVarNCache, __version__
 from kvarn_mla.archs import ARCHITECTURES, load_config
-from kvarn_mla.plan import expected_nbytes
 from kvarn_mla.cli import main
+from kvarn_mla.plan import expected_nbytes
 
 
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v3", "deepseek_v32", "mistral"])
 @pytest.mark.parametrize("preset, tokens", [("k4v2", 700), ("k2v2", 64), ("k4v2-r8", 129), ("k8v8", 0)])
 def test_expected_nbytes_equals_what_the_cache_holds(model_type, preset, tokens):
-    overrides = dict(sliding_window=48, layer_types=["full_attention", "sliding_attention"]) if model_type == "mistral" else {}
+    sliding = dict(sliding_window=48, layer_types=["full_attention", "sliding_attention"])
+    overrides = sliding if model_type == "mistral" else {}
     model_config = AutoConfig.for_model(model_type, **dict(TINY_CONFIGS[model_type], **overrides))
     config = PRESETS[preset].replace(tile_size=64, sink_tokens=64)
     cache = KVarNCache(model_config, config)
@@ -31,7 +32,9 @@ def test_expected_nbytes_equals_what_the_cache_holds(model_type, preset, tokens)
         for step in (tokens // 2, tokens - tokens // 2):
             if step == 0:
                 continue
-            k, v = (torch.randn(3, s.num_heads, step, s.dim, generator=gen, dtype=torch.float32).bfloat16() for s in specs)
+            k, v = (
+                torch.randn(3, s.num_heads, step, s.dim, generator=gen, dtype=torch.float32).bfloat16() for s in specs
+            )
             layer.update(k, v)
             if hasattr(layer, "flush"):
                 layer.flush()
@@ -79,7 +82,8 @@ def test_bundled_architectures_are_valid_configs():
 
 
 def test_console_script_entry_point():
-    out = subprocess.run([sys.executable, "-m", "kvarn_mla.cli", "--version"], capture_output=True, text=True, check=True)
+    command = [sys.executable, "-m", "kvarn_mla.cli", "--version"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"kvarn-mla {__version__}"
 
 

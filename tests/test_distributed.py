@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from conftest import build_model
 

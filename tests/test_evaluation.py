@@ -97,7 +97,9 @@ def test_task_loader_rejects_malformed_lines_with_the_line_number(tmp_path, line
 
 def test_task_loader_reads_checkers(tmp_path):
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "p", "answer": "\\\\boxed{4}", "checker": "boxed"}\n')
+    path.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "p", "answer": "\\\\boxed{4}", "checker": "boxed"}\n'
+    )
     loaded = load_tasks(path, checker="last-number")
     assert [t.checker for t in loaded] == ["last-number", "boxed"] and [t.id for t in loaded] == ["1", "2"]
     assert loaded[0].check("it is 2") and loaded[1].check("so \\boxed{4}")

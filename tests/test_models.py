@@ -89,7 +89,7 @@ def test_realistic_widths(name):
     assert torch.equal(teacher_forced_logits(model, ids, 300), reference)
 
 
-# ---- generate modes ---------------------------------------------------------------------------------------------------
+# ---- generate modes --------------------------------------------------------------------------------------------------
 FAMILIES = ["llama", "deepseek_v3"]
 
 

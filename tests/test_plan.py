@@ -10,10 +10,9 @@ from transformers import AutoConfig
 
 from kvarn_mla.adapters import adapter_for
 from kvarn_mla.archs import ARCHITECTURES, SOURCES, load_config
-from kvarn_mla.plan import expected_nbytes
 from kvarn_mla.cli import main
 from kvarn_mla.config import PRESETS
-from kvarn_mla.plan import UNQUANTIZED, format_bytes, parameter_count, parse_memory, plan, weight_bytes
+from kvarn_mla.plan import UNQUANTIZED, expected_nbytes, format_bytes, parameter_count, parse_memory, plan, weight_bytes
 
 GiB = 2**30
 # T = sink (128) + 31 full tiles of 128 + a 64-token tail: 192 tokens stay 16-bit, 31 tiles are quantized.

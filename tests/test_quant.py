@@ -33,7 +33,7 @@ def scheme(bits: int, axis: str, size: int = 64, **fields) -> TileScheme:
     return TileScheme(bits, axis, tile_size=size, **fields)
 
 
-# ---- Hadamard ---------------------------------------------------------------------------------------------------------
+# ---- Hadamard --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dim", [8, 64, 128, 512, 96, 72, 7])
 def test_hadamard_is_symmetric_orthonormal_and_block_diagonal(dim):
     h = hadamard_matrix(dim).double()
@@ -53,7 +53,7 @@ def test_rotate_is_its_own_inverse():
     assert torch.allclose(rotate(rotate(x)), x, atol=1e-5)
 
 
-# ---- packing ----------------------------------------------------------------------------------------------------------
+# ---- packing ---------------------------------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(bits=st.sampled_from(BITS), n=st.integers(1, 80), rows=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_pack_unpack_round_trip_exactly(bits, n, rows, seed):
@@ -72,7 +72,7 @@ def test_packing_layout_is_little_endian_bit_stream():
     assert pack(codes, 3).tolist() == [[word & 255, (word >> 8) & 255, word >> 16]]
 
 
-# ---- RTN ----------------------------------------------------------------------------------------------------------------
+# ---- RTN -------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", BITS)
 def test_rtn_error_is_at_most_half_a_step(bits):
     z = torch.randn(6, 16, 128) * torch.rand(6, 16, 1) * 10

@@ -61,7 +61,8 @@ def worst_vectors(model, ids: torch.Tensor, method: Method, context: int, fracti
         for exact, restored in zip((layer.keys, layer.values), pair):
             errors.append((restored - exact).float().square().sum(-1))  # [B, H, T]
             splits.append(error_split(exact.float(), restored.float()))
-    full_kl = float(kl_divergence(reference_logits, model(query, cache=_fill(model, quantized, reference)).logits).mean())
+    quantized_logits = model(query, cache=_fill(model, quantized, reference)).logits
+    full_kl = float(kl_divergence(reference_logits, quantized_logits).mean())
     total_error = sum(float(e.sum()) for e in errors)
     magnitude_all = sum(float(m.sum()) for m, _ in splits)
     result = {"kl": full_kl, "magnitude_share": magnitude_all / max(total_error, 1e-30), "fractions": {}}

@@ -36,7 +36,9 @@ def fake_quantize(x: torch.Tensor, bits: int | TileScheme, axis: str | None = No
             raise ValueError(f"fake_quantize takes the fields {_SCHEME_FIELDS}, got unknown {sorted(unknown)}")
         scheme = TileScheme(bits, axis, **scheme_fields)  # validates every field
     if x.dim() < 2 or not x.is_floating_point():
-        raise ValueError(f"fake_quantize expects a float tensor [..., T, D], got shape={tuple(x.shape)} dtype={x.dtype}")
+        raise ValueError(
+            f"fake_quantize expects a float tensor [..., T, D], got shape={tuple(x.shape)} dtype={x.dtype}"
+        )
     if not bool(torch.isfinite(x).all()):
         raise ValueError("fake_quantize input contains NaN or Inf")
     out = x.clone()
