@@ -149,12 +149,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     model, tok = reference_models.load(args.name)
+    state = torch.load(args.init, weights_only=False) if args.init else None
+    if isinstance(state, dict) and "recipe" in state:
+        # a train_reference.py state: its own architecture (a v4 MLA's is not the bundled v1's) and RoPE, and the
+        # lookup tokenizer its recipes train with (the bundled GQA's)
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
+        saved = state["recipe"]
+        recipe = T.Recipe(**{**saved, "phases": tuple(T.Phase(**T._phase(p)) for p in saved["phases"])})
+        model = T.build_model(T.build_config(args.name, recipe, tok))
+        T.set_rope(model, T.rope_of_state(state))
     if args.scratch:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers
         model = T.build_model(config)
     if args.init:
-        model.load_state_dict(T.initial_weights(args.init))
+        model.load_state_dict(state.get("model", state))
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
