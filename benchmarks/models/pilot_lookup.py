@@ -22,7 +22,8 @@ code filler). The history goes to ``--out`` (JSON) as it grows.
     python benchmarks/models/pilot_lookup.py gqa --task copy --lr 3e-3 --steps 2000 --out c.json
     python benchmarks/models/pilot_lookup.py gqa --task copy:800,recall:1700 --out cr.json   # a curriculum
 
-``--steps 0`` only probes the starting weights (``--init`` also takes a ``train_reference.py`` ``state.pt``).
+``--steps 0`` only probes the starting weights (``--init`` also takes a ``train_reference.py`` ``state.pt``,
+built with that run's own architecture and RoPE).
 ``--task`` takes one task for ``--steps`` steps or a curriculum ``task:steps,...`` (its steps replace ``--steps``;
 one optimizer throughout). ``--save`` keeps the weights (float32 state dict) at every probe; ``--init`` starts from
 such a file instead of the bundled checkpoint.
