@@ -387,19 +387,9 @@ V4 = Recipe(
         # 275 steps in, GQA matched keys at 2 facts (0.77, from 0.52 125 steps before) but not yet at 4 (0.31): 200 more
         Phase("recall4b", 500, 512, "aaaaaarc", 2e-3, 2e-3, max_rows=16, weights=(1.0, 0.3, 2.0), facts=4),
         Phase("recall16", 300, 512, "aaaaaarc", 1e-3, 1e-3, max_rows=16, weights=(1.0, 0.3, 2.0), facts=16),
-        # retrieval items with code filler carry the lookup over to the real task (recall alone did not)
-        Phase(
-            "filler",
-            400,
-            512,
-            "kkkkaarc",
-            1e-3,
-            1e-3,
-            max_rows=16,
-            weights=(1.0, 0.3, 2.0),
-            chains=(6, 12),
-            tokens_per_fact=32,
-        ),
+        # the lookup leg's filler phase: retrieval items with code filler carry the lookup over to the real task
+        # (recall alone did not)
+        LOOKUP.phases[2],
         # long items under llama3-style RoPE scaling (x32 from 512: the reasoning lookup's fast pairs keep their
         # angles, the slow pairs stop turning over 16K), one query an item as held out, whole reasoning items of up to
         # 99 rows next to each retrieval row
