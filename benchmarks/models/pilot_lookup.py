@@ -149,16 +149,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
-    model, tok = reference_models.load(args.name)
     state = torch.load(args.init, weights_only=False) if args.init else None
     if isinstance(state, dict) and "recipe" in state:
         # a train_reference.py state: its own architecture (a v4 MLA's is not the bundled v1's) and RoPE, and the
         # lookup tokenizer its recipes train with (the bundled GQA's)
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
-        saved = state["recipe"]
-        recipe = T.Recipe(**{**saved, "phases": tuple(T.Phase(**T._phase(p)) for p in saved["phases"])})
-        model = T.build_model(T.build_config(args.name, recipe, tok))
+        model = T.build_model(T.build_config(args.name, T.recipe_of_state(state), tok))
         T.set_rope(model, T.rope_of_state(state))
+    else:
+        model, tok = reference_models.load(args.name)
     if args.scratch:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers

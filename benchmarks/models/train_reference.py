@@ -368,8 +368,9 @@ LOOKUP_ONE_QUERY = replace(
 
 # Version 4: one run from random weights that puts every lesson of the legs above in one order, so the three models
 # share data, steps and seed again (the legs started from v2 GQA/MHA weights that MLA never had). Measured on one core:
-# the 512-token phases take 2.0-2.4 s a step (GQA) and 2.9-3.4 s (MLA). The long phases train on denser retrieval items than the held-out ones (a fact per 32 tokens, 8-16
-# chains), up to 4 queries an item in the first and one (as held out) after it: the one-query leg taught MHA to stop.
+# the 512-token phases take 2.0-2.6 s a step (GQA) and 2.9-3.6 s (MLA). The long phases train on denser retrieval items
+# than the held-out ones (a fact per 32 tokens, 8-16 chains), up to 4 queries an item in the first and one (as held
+# out) after it: the one-query leg taught MHA to stop.
 _LONG_RETRIEVAL = dict(span=16384, chains=(8, 16), queries=1, tokens_per_fact=32, max_rows=99)
 V4 = Recipe(
     phases=(
@@ -1078,11 +1079,15 @@ def _retrieval_suite(result: dict) -> tuple[int, int, int]:
     return result.get("task_version", 1), result["context"], result["seed"]
 
 
+def recipe_of_state(state: dict) -> Recipe:
+    """The recipe a training state (``state.pt``) was written under."""
+    saved = state["recipe"]
+    return Recipe(**{**saved, "phases": tuple(Phase(**_phase(p)) for p in saved["phases"])})
+
+
 def rope_of_state(state: dict) -> dict[str, object]:
     """The RoPE parameters a training state's weights were last trained under (``state.pt``: its recipe and step)."""
-    saved = state["recipe"]
-    phases = tuple(Phase(**_phase(p)) for p in saved["phases"])
-    return rope_at(Recipe(**{**saved, "phases": phases}), max(0, state["step"] - 1))
+    return rope_at(recipe_of_state(state), max(0, state["step"] - 1))
 
 
 def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out_dir: Path) -> int:
