@@ -51,11 +51,24 @@ from kvarn_mla.evaluation import retrieval  # noqa: E402
 PROBE_FACTS = (1, 2, 4, 8)
 
 
-TASKS = ("recall", "copy")
+TASKS = ("recall", "copy", "code")
 
 
 class Docs(T.LookupDocs):
-    """:class:`train_reference.LookupDocs` packed into whole rows of one task (end-of-text padding, no code)."""
+    """:class:`train_reference.LookupDocs` packed into whole rows of one task (end-of-text padding, no code), or
+    windows of the train split's code stream (``code``: language modelling on every token)."""
+
+    def __init__(self, tok, *args, **kwargs) -> None:
+        super().__init__(tok, *args, **kwargs)
+        self.tok, self._code = tok, None
+
+    def code_window(self, rng: random.Random, n: int) -> torch.Tensor:
+        if self._code is None:  # tokenized on first use (~40 s): the lookup tasks never need it
+            files = T.read_code_files("train")
+            ids = self.tok([f.text for f in files], add_special_tokens=False)["input_ids"]
+            self._code = torch.tensor([t for doc in ids for t in (*doc, self.eos)])
+        start = rng.randrange(len(self._code) - n)
+        return self._code[start : start + n]
 
     def batch(self, task: str, step: int, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids, target mask and document ids, each ``[rows, context + 1]``, of ``task``'s documents at step
@@ -64,6 +77,9 @@ class Docs(T.LookupDocs):
         A row packs whole documents; the rest is end-of-text padding in a document of its own, not trained on.
         """
         rng = random.Random(f"pilot-lookup/{step}")
+        if task == "code":
+            ids = torch.stack([self.code_window(rng, context + 1) for _ in range(rows)])
+            return ids, torch.ones_like(ids), torch.zeros_like(ids)
         ids, mask, doc = [], [], []
         for _ in range(rows):
             row_ids, row_mask, row_doc = [], [], []
@@ -118,7 +134,7 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
     for part in spec.split(","):
         task, _, steps = part.partition(":")
         if task not in TASKS or (steps and not steps.isdigit()):
-            raise argparse.ArgumentTypeError(f"expected recall | copy | task:steps,..., got {spec!r}")
+            raise argparse.ArgumentTypeError(f"expected recall | copy | code | task:steps,..., got {spec!r}")
         out.append((task, int(steps) if steps else None))
     if len(out) > 1 and any(n is None for _, n in out):
         raise argparse.ArgumentTypeError(f"a curriculum gives every task its steps, got {spec!r}")
@@ -128,12 +144,16 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=T.MODEL_NAMES)
-    ap.add_argument("--task", type=parse_tasks, default="recall", help="recall | copy | task:steps,... (curriculum)")
+    ap.add_argument(
+        "--task", type=parse_tasks, default="recall", help="recall | copy | code | task:steps,... (curriculum)"
+    )
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
     ap.add_argument("--words", type=int, help="key vocabulary: the first N words (default all)")
     ap.add_argument("--scratch", action="store_true", help="fresh weights of the bundled model's config")
     ap.add_argument("--layers", type=int, help="with --scratch: this many layers")
+    ap.add_argument("--heads", type=int, help="with --scratch: this many query heads (head dim = hidden / heads)")
+    ap.add_argument("--kv-heads", type=int, help="with --scratch (Llama models): this many key/value heads")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=2000)
@@ -161,6 +181,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.scratch:
         config = model.config
         config.num_hidden_layers = args.layers or config.num_hidden_layers
+        if args.heads:
+            config.num_attention_heads = args.heads
+            config.head_dim = config.hidden_size // args.heads
+            if config.model_type == "deepseek_v3":
+                config.num_key_value_heads = args.heads
+        if args.kv_heads:
+            if config.model_type == "deepseek_v3":
+                raise SystemExit("--kv-heads is for the Llama models (MLA has no key/value heads to group)")
+            config.num_key_value_heads = args.kv_heads
         model = T.build_model(config)
     if args.init:
         model.load_state_dict(state.get("model", state))
