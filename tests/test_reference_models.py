@@ -443,6 +443,11 @@ def test_lookup_pilot_documents():
         docs.batch("lookup", 0, rows=1, context=256)
     with pytest.raises(ValueError, match="context=16"):
         P.Docs(tok, max_facts=8).batch("recall", 0, rows=1, context=16)
+    docs._code = torch.arange(1000)  # the code task's windows (the train split's stream; a stand-in here)
+    seq, m, doc = docs.batch("code", 3, rows=2, context=16)
+    assert seq.shape == (2, 17) and bool(m.all()) and not bool(doc.any())
+    assert bool((seq[:, 1:] - seq[:, :-1] == 1).all())
+    assert torch.equal(seq, docs.batch("code", 3, rows=2, context=16)[0])
 
 
 def test_a_state_continues_under_appended_phases_only():
