@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--layers", type=int, help="with --scratch: this many layers")
     ap.add_argument("--heads", type=int, help="with --scratch: this many query heads (head dim = hidden / heads)")
     ap.add_argument("--kv-heads", type=int, help="with --scratch (Llama models): this many key/value heads")
+    ap.add_argument("--rope-dim", type=int, help="with --scratch --heads (MLA): the shared RoPE key's width")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=2000)
@@ -184,8 +185,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.heads:
             config.num_attention_heads = args.heads
             config.head_dim = config.hidden_size // args.heads
-            if config.model_type == "deepseek_v3":
+            if config.model_type == "deepseek_v3":  # as train_reference.build_config: latent 4 x a head's width
                 config.num_key_value_heads = args.heads
+                config.qk_nope_head_dim = config.v_head_dim = config.head_dim
+                config.kv_lora_rank = 4 * config.head_dim
+                config.qk_rope_head_dim = args.rope_dim or config.head_dim
+                config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         if args.kv_heads:
             if config.model_type == "deepseek_v3":
                 raise SystemExit("--kv-heads is for the Llama models (MLA has no key/value heads to group)")

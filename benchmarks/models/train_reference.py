@@ -187,8 +187,9 @@ class Recipe:
     vocab_size: int = 4096
     hidden_size: int = 256
     num_layers: int = 4
-    num_heads: int = 4  # head_dim 64: MLA's decoupled RoPE key is then 32 wide (16 frequencies); with 8
-    #   heads (RoPE key 16 wide) the first MLA model never learned the reasoning lookup
+    num_heads: int = 4  # head_dim = hidden_size / num_heads; GQA has num_heads / 4 key/value heads
+    mla_rope_head_dim: int | None = None  # MLA's shared RoPE key (None: a head's width); the first MLA model's,
+    #   16 wide with 8 heads, never learned the reasoning lookup, a 32-wide one stalled it (v2), 64 formed it (v3)
     intermediate_size: int = 768
     rope_theta: float = 10_000.0  # RoPE base of the short phases (a phase may raise it, see Phase.rope_theta)
     max_positions: int = 16384
@@ -520,7 +521,7 @@ def build_config(name: str, r: Recipe, tok: PreTrainedTokenizerFast) -> Pretrain
             kv_lora_rank=4 * head_dim,
             q_lora_rank=None,
             qk_nope_head_dim=head_dim,
-            qk_rope_head_dim=head_dim,
+            qk_rope_head_dim=r.mla_rope_head_dim or head_dim,
             v_head_dim=head_dim,
             first_k_dense_replace=r.num_layers,
             n_routed_experts=4,  # unused (no MoE layer) but the config wants consistent values
@@ -1137,7 +1138,9 @@ def same_schedule(saved: dict, r: Recipe, steps: int) -> bool:
     ``r``: everything but the phases equal, and the phases the same up to that step (a later phase may change, and
     phases may be added, as the recipe grows in legs)."""
     now = recipe_json(r)
-    if {k: v for k, v in saved.items() if k != "phases"} != {k: v for k, v in now.items() if k != "phases"}:
+    # a field added to Recipe after the state was written reads as its default, as for Phase below
+    then = recipe_json(Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k != "phases"}))
+    if {k: v for k, v in then.items() if k != "phases"} != {k: v for k, v in now.items() if k != "phases"}:
         return False
     done = 0
     for old, new in zip(saved["phases"], now["phases"]):
