@@ -180,7 +180,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         model, tok = reference_models.load(args.name)
     if args.scratch:
+        # the lookup tokenizer every recipe trains with (the bundled GQA's; the bundled MLA is v1, without the
+        # retrieval task's tokens)
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
         config = model.config
+        config.vocab_size = len(tok)
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+            tok.bos_token_id,
+            tok.eos_token_id,
+            tok.pad_token_id,
+        )
         config.num_hidden_layers = args.layers or config.num_hidden_layers
         if args.heads:
             config.num_attention_heads = args.heads
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 config.kv_lora_rank = 4 * config.head_dim
                 config.qk_rope_head_dim = args.rope_dim or config.head_dim
                 config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+                config.head_dim = config.qk_rope_head_dim  # what DeepseekV3Config names head_dim (the rotary's width)
         if args.kv_heads:
             if config.model_type == "deepseek_v3":
                 raise SystemExit("--kv-heads is for the Llama models (MLA has no key/value heads to group)")
