@@ -467,6 +467,21 @@ def test_a_state_continues_under_appended_phases_only():
     # a state written before a Phase field existed reads it as its default
     older = dict(saved, phases=[{k: v for k, v in p.items() if k != "rope_scaling"} for p in saved["phases"]])
     assert tr.same_schedule(older, grown, tr.LOOKUP.steps)
+    # ... and so does a Recipe field (mla_rope_head_dim came after the v4 states), but a changed one refuses
+    assert tr.same_schedule({k: v for k, v in saved.items() if k != "mla_rope_head_dim"}, tr.LOOKUP, 900)
+    assert not tr.same_schedule(dict(saved, mla_rope_head_dim=64), tr.LOOKUP, 900)
+
+
+def test_v5_architectures():
+    # v5: 8 heads of 32; GQA keeps 4 query heads per key/value head (two groups), MLA's RoPE key stays 64 wide
+    tr = _train_reference()
+    _, tok = reference_models.load("gqa")
+    gqa, mha, mla = (tr.build_config(n, tr.V5, tok) for n in ("gqa", "mha", "mla"))
+    assert (gqa.num_attention_heads, gqa.num_key_value_heads, gqa.head_dim) == (8, 2, 32)
+    assert (mha.num_attention_heads, mha.num_key_value_heads, mha.head_dim) == (8, 8, 32)
+    assert (mla.num_attention_heads, mla.qk_nope_head_dim, mla.v_head_dim) == (8, 32, 32)
+    assert (mla.qk_rope_head_dim, mla.kv_lora_rank) == (64, 128)
+    assert tr.build_config("mla", tr.V4, tok).qk_rope_head_dim == 64  # None: a head's width, as v4 ran
 
 
 def test_compare_legs_pairs_the_same_items(tmp_path, capsys):
