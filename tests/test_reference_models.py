@@ -374,6 +374,24 @@ def _summarize_the_shipped_run(results):
     assert "| mla |" not in summarize.fill("TABLE_MODELS\n", subset, ("gqa", "mha"))
 
 
+def test_monitor_table_from_a_training_log():
+    # summarize.py --monitor: the lookup loss is the mean of the retrieval group over the window up to a monitored step
+    # (a resumed step counts once, as last logged); contexts not monitored in a log are "-"
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import summarize
+    finally:
+        sys.path.pop(0)
+    step = (
+        "[gqa] step {}/90 copy loss 1.0 (reasoning 0.5 code 4.0 retrieval {}) lr 1e-3 gn 0.5 1.0s (9 tok/s) train 1min"
+    )
+    mon = " | reasoning tf cell 0.512 all 0.062 | retrieval tf @1024 0.00/0.345/0.071 (9s)"
+    log = [step.format(1, 9.0), step.format(2, 5.0), step.format(2, 3.0), step.format(3, 1.0) + mon]
+    rows = summarize.monitor_rows(log, [1024, 4096], window=2)
+    assert rows == [["gqa", "3", "copy", "2.00", "0.512 / 0.06", "0.34 / 0.07", "-"]]
+    assert summarize.monitor_rows(log, [1024], window=3)[0][3] == f"{(9 + 3 + 1) / 3:.2f}"
+
+
 def test_accumulation_texts_of_the_reasoning_task():
     from kvarn_mla.evaluation.tasks import reasoning_chain_prompt, reasoning_text
 

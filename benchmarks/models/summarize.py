@@ -286,10 +286,51 @@ def fill(template: str, runs: dict[str, dict], names: tuple[str, ...] = NAMES) -
     return "\n".join(lines) + "\n"
 
 
+_STEP = re.compile(r"^\[(\w+)\] step (\d+)/\d+ (\S+) loss \S+ \(([^)]*)\)")
+_MONITOR = re.compile(r"\| reasoning tf cell ([\d.]+) all ([\d.]+) \| retrieval tf (.*) \(\d+s\)")
+
+
+def monitor_rows(log_lines: list[str], contexts: list[int], window: int = 50) -> list[list[str]]:
+    """Rows of the README's training-monitor table from a ``train_reference.py`` log: model, step, phase, the lookup
+    loss (the ``retrieval`` group: copy, recall or retrieval targets; mean of the ``window`` steps up to the row),
+    reasoning cell accuracy / items whole, and for each of ``contexts`` the monitored retrieval items' target-token /
+    first-value-token accuracy ("-" where not monitored). A step logged twice (a resumed run) counts as last logged."""
+    steps: dict[int, tuple[str, str, dict[str, float], str]] = {}
+    for line in log_lines:
+        m = _STEP.match(line)
+        if m:
+            words = m[4].split()  # "reasoning 0.302 code 5.806 retrieval 5.897"
+            groups = {words[i]: float(words[i + 1]) for i in range(0, len(words) - 1, 2)}
+            steps[int(m[2])] = (m[1], m[3], groups, line)
+    rows = []
+    for step in sorted(steps):
+        name, phase, _, line = steps[step]
+        mon = _MONITOR.search(line)
+        if not mon:
+            continue
+        recent = (steps[s][2] for s in range(step - window + 1, step + 1) if s in steps)
+        lookup = [groups["retrieval"] for groups in recent if "retrieval" in groups]
+        at = {int(c): v.split("/") for c, v in (part.split() for part in mon[3].split("@")[1:])}  # all/token/value
+        rows.append(
+            [
+                name,
+                str(step),
+                phase,
+                f"{sum(lookup) / len(lookup):.2f}" if lookup else "-",
+                f"{mon[1]} / {float(mon[2]):.2f}",
+            ]
+            + [f"{float(at[c][1]):.2f} / {float(at[c][2]):.2f}" if c in at else "-" for c in contexts]
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="directory of <name>.json (default: committed)")
     parser.add_argument("--readme", type=Path, help="a README template to fill (see the module docstring)")
+    parser.add_argument(
+        "--monitor", type=Path, nargs="+", help="print the training-monitor table of these logs instead"
+    )
     parser.add_argument(
         "--models",
         type=lambda s: tuple(s.split(",")),
@@ -297,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the models to table (default {','.join(NAMES)})",
     )
     args = parser.parse_args(argv)
+    if args.monitor:
+        contexts = sorted({int(c) for log in args.monitor for c in re.findall(r"@(\d+) [\d.]+/", log.read_text())})
+        table(
+            ["model", "step", "phase", "lookup loss (mean of the 50 steps up to it)", "reasoning cell / items whole"]
+            + [f"retrieval @{c:,}: tokens / first value" for c in contexts],
+            [row for log in args.monitor for row in monitor_rows(log.read_text().splitlines(), contexts)],
+        )
+        return 0
     unknown = sorted(set(args.models) - set(NAMES))
     if unknown:
         parser.error(f"--models {','.join(unknown)}: expected some of {', '.join(NAMES)}")
