@@ -339,11 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.monitor:
-        contexts = sorted({int(c) for log in args.monitor for c in re.findall(r"@(\d+) [\d.]+/", log.read_text())})
+        logs = [log.read_text() for log in args.monitor]
+        contexts = sorted({int(c) for text in logs for c in re.findall(r"@(\d+) [\d.]+/", text)})
         table(
             ["model", "step", "phase", "lookup loss (mean of the 50 steps up to it)", "reasoning cell / items whole"]
             + [f"retrieval @{c:,}: tokens / first value" for c in contexts],
-            [row for log in args.monitor for row in monitor_rows(log.read_text().splitlines(), contexts)],
+            [row for text in logs for row in monitor_rows(text.splitlines(), contexts)],
         )
         return 0
     unknown = sorted(set(args.models) - set(NAMES))

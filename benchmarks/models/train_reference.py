@@ -1164,7 +1164,7 @@ def same_schedule(saved: dict, r: Recipe, steps: int) -> bool:
     phases may be added, as the recipe grows in legs)."""
     now = recipe_json(r)
     # a field added to Recipe after the state was written reads as its default, as for Phase below
-    then = recipe_json(Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k != "phases"}))
+    then = recipe_json(Recipe(**_phase({k: v for k, v in saved.items() if k != "phases"})))
     if {k: v for k, v in then.items() if k != "phases"} != {k: v for k, v in now.items() if k != "phases"}:
         return False
     done = 0
