@@ -468,6 +468,23 @@ def test_lookup_pilot_documents():
     assert torch.equal(seq, docs.batch("code", 3, rows=2, context=16)[0])
 
 
+def test_lookup_pilot_scratch_models_are_the_recipes():
+    # A scratch pilot (--scratch --heads/--kv-heads/--rope-dim) builds the architecture the v5 recipe trains.
+    tr = _train_reference()
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import pilot_lookup as P
+    finally:
+        sys.path.pop(0)
+    _, tok = reference_models.load("gqa")
+    v5_pilots = {"gqa": dict(heads=8, kv_heads=2), "mha": dict(heads=8), "mla": dict(heads=8, rope_dim=64)}
+    for name, kwargs in v5_pilots.items():
+        assert P.scratch_config(name, tok, **kwargs).to_dict() == tr.build_config(name, tr.V5, tok).to_dict(), name
+    assert P.scratch_config("gqa", tok, heads=8, kv_heads=4).num_key_value_heads == 4  # v5 GQA's 8 / 4 is 2 anyway
+    with pytest.raises(SystemExit, match="--kv-heads is for the Llama models"):
+        P.scratch_config("mla", tok, kv_heads=2)
+
+
 def test_a_state_continues_under_appended_phases_only():
     # --resume accepts a recipe that grew after the state's step (a new leg), never one whose steps so far changed.
     import dataclasses as dc

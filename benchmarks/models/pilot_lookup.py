@@ -36,6 +36,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,9 +65,7 @@ class Docs(T.LookupDocs):
 
     def code_window(self, rng: random.Random, n: int) -> torch.Tensor:
         if self._code is None:  # tokenized on first use (~40 s): the lookup tasks never need it
-            files = T.read_code_files("train")
-            ids = self.tok([f.text for f in files], add_special_tokens=False)["input_ids"]
-            self._code = torch.tensor([t for doc in ids for t in (*doc, self.eos)])
+            self._code = torch.from_numpy(T.code_stream(self.tok))
         start = rng.randrange(len(self._code) - n)
         return self._code[start : start + n]
 
@@ -141,6 +140,21 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
     return out
 
 
+def scratch_config(name: str, tok, layers: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+                   rope_dim: int | None = None) -> transformers.PretrainedConfig:
+    """train_reference's architecture for ``name`` (`Recipe` defaults), with these layers, query heads (head width
+    hidden / heads), key/value heads (Llama models) or MLA RoPE-key width instead."""
+    base = T.Recipe()
+    recipe = replace(base, num_layers=layers or base.num_layers, num_heads=heads or base.num_heads,
+                     mla_rope_head_dim=rope_dim)
+    config = T.build_config(name, recipe, tok)
+    if kv_heads:
+        if config.model_type == "deepseek_v3":
+            raise SystemExit("--kv-heads is for the Llama models (MLA has no key/value heads to group)")
+        config.num_key_value_heads = kv_heads
+    return config
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=T.MODEL_NAMES)
@@ -150,11 +164,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
     ap.add_argument("--words", type=int, help="key vocabulary: the first N words (default all)")
-    ap.add_argument("--scratch", action="store_true", help="fresh weights of the bundled model's config")
+    ap.add_argument("--scratch", action="store_true", help="fresh weights of train_reference's architecture")
     ap.add_argument("--layers", type=int, help="with --scratch: this many layers")
     ap.add_argument("--heads", type=int, help="with --scratch: this many query heads (head dim = hidden / heads)")
     ap.add_argument("--kv-heads", type=int, help="with --scratch (Llama models): this many key/value heads")
-    ap.add_argument("--rope-dim", type=int, help="with --scratch --heads (MLA): the shared RoPE key's width")
+    ap.add_argument("--rope-dim", type=int, help="with --scratch (MLA): the shared RoPE key's width")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=2000)
@@ -171,7 +185,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     state = torch.load(args.init, weights_only=False) if args.init else None
-    if isinstance(state, dict) and "recipe" in state:
+    if args.scratch:
+        # the lookup tokenizer every recipe trains with (the bundled GQA's; the bundled MLA is v1, without the
+        # retrieval task's tokens)
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
+        model = T.build_model(scratch_config(args.name, tok, args.layers, args.heads, args.kv_heads, args.rope_dim))
+    elif isinstance(state, dict) and "recipe" in state:
         # a train_reference.py state: its own architecture (a v4 MLA's is not the bundled v1's) and RoPE, and the
         # lookup tokenizer its recipes train with (the bundled GQA's)
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
@@ -179,33 +198,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         T.set_rope(model, T.rope_of_state(state))
     else:
         model, tok = reference_models.load(args.name)
-    if args.scratch:
-        # the lookup tokenizer every recipe trains with (the bundled GQA's; the bundled MLA is v1, without the
-        # retrieval task's tokens)
-        tok = transformers.PreTrainedTokenizerFast.from_pretrained(reference_models.path("gqa"))
-        config = model.config
-        config.vocab_size = len(tok)
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-            tok.bos_token_id,
-            tok.eos_token_id,
-            tok.pad_token_id,
-        )
-        config.num_hidden_layers = args.layers or config.num_hidden_layers
-        if args.heads:
-            config.num_attention_heads = args.heads
-            config.head_dim = config.hidden_size // args.heads
-            if config.model_type == "deepseek_v3":  # as train_reference.build_config: latent 4 x a head's width
-                config.num_key_value_heads = args.heads
-                config.qk_nope_head_dim = config.v_head_dim = config.head_dim
-                config.kv_lora_rank = 4 * config.head_dim
-                config.qk_rope_head_dim = args.rope_dim or config.head_dim
-                config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-                config.head_dim = config.qk_rope_head_dim  # what DeepseekV3Config names head_dim (the rotary's width)
-        if args.kv_heads:
-            if config.model_type == "deepseek_v3":
-                raise SystemExit("--kv-heads is for the Llama models (MLA has no key/value heads to group)")
-            config.num_key_value_heads = args.kv_heads
-        model = T.build_model(config)
     if args.init:
         model.load_state_dict(state.get("model", state))
     model.config._attn_implementation = "sdpa_pad_v"

@@ -659,6 +659,13 @@ class Row:
     sources: list[tuple]
 
 
+def code_stream(tok: PreTrainedTokenizerFast, max_files: int | None = None) -> np.ndarray:
+    """The train split's code as one token stream ``[N]`` int64: every file's ids, each followed by end-of-text."""
+    files = read_code_files("train")[:max_files]
+    ids = tok([f.text for f in files], add_special_tokens=False)["input_ids"]
+    return np.fromiter((t for doc in ids for t in (*doc, tok.eos_token_id)), dtype=np.int64)
+
+
 class Data:
     """Deterministic batches: ``batch(step)`` is a pure function of the step, so resuming is exact.
 
@@ -671,9 +678,7 @@ class Data:
     def __init__(self, tok: PreTrainedTokenizerFast, r: Recipe, max_files: int | None = None) -> None:
         self.tok, self.r = tok, r
         self.eos = tok.eos_token_id
-        files = read_code_files("train")[:max_files]
-        ids = tok([f.text for f in files], add_special_tokens=False)["input_ids"]
-        self.code = np.fromiter((t for doc in ids for t in (*doc, self.eos)), dtype=np.int64)
+        self.code = code_stream(tok, max_files)
         longest = max(p.context for p in r.phases)
         if len(self.code) <= longest + 1:
             raise ValueError(f"code stream too short ({len(self.code)} tokens) for rows of {longest}")
