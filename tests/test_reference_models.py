@@ -485,6 +485,26 @@ def test_lookup_pilot_scratch_models_are_the_recipes():
         P.scratch_config("mla", tok, kv_heads=2)
 
 
+def test_widening_the_mla_content_key_keeps_the_outputs():
+    # The pilot's --widen-content-key: an MLA model widened from 32 to 64 content-key channels gives the same logits.
+    tr = _train_reference()
+    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
+    try:
+        import pilot_lookup as P
+    finally:
+        sys.path.pop(0)
+    _, tok = reference_models.load("gqa")
+    torch.manual_seed(0)
+    model = tr.build_model(tr.build_config("mla", dataclasses.replace(tr.V5, num_layers=2), tok)).eval()
+    wide = P.widen_content_key(model, 64).eval()
+    assert (model.config.qk_nope_head_dim, wide.config.qk_nope_head_dim, wide.config.qk_head_dim) == (32, 64, 128)
+    ids = torch.randint(0, len(tok), (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(wide(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(SystemExit, match="narrower"):
+        P.widen_content_key(model, 16)
+
+
 def test_a_state_continues_under_appended_phases_only():
     # --resume accepts a recipe that grew after the state's step (a new leg), never one whose steps so far changed.
     import dataclasses as dc

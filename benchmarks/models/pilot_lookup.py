@@ -26,12 +26,15 @@ code filler). The history goes to ``--out`` (JSON) as it grows.
 built with that run's own architecture and RoPE).
 ``--task`` takes one task for ``--steps`` steps or a curriculum ``task:steps,...`` (its steps replace ``--steps``;
 one optimizer throughout). ``--save`` keeps the weights (float32 state dict) at every probe; ``--init`` starts from
-such a file instead of the bundled checkpoint.
+such a file instead of the bundled checkpoint. ``--widen-content-key N`` (MLA) widens the starting model's
+content (no-RoPE) key from ``qk_nope_head_dim`` to N without changing its outputs (`widen_content_key`), to ask
+whether a wider key matches keys sooner from the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -155,6 +158,35 @@ def scratch_config(name: str, tok, layers: int | None = None, heads: int | None 
     return config
 
 
+def widen_content_key(model, width: int, seed: int = 0):
+    """The MLA ``model`` with its content key (``qk_nope_head_dim``, per head) widened to ``width``, same outputs.
+
+    The new query rows are zero, so they add nothing to any score until trained; the new key rows (``kv_b_proj``) are
+    small random ones, so the new query rows get a gradient at once. The softmax scale is ``qk_head_dim ** -0.5``, so
+    every query row is scaled by ``sqrt(new / old qk_head_dim)`` to keep the scores.
+    """
+    c = model.config
+    if c.model_type != "deepseek_v3" or c.q_lora_rank is not None:
+        raise SystemExit(f"--widen-content-key is for MLA without a query low-rank; got {c.model_type}")
+    heads, old, rope, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    if width < old:
+        raise SystemExit(f"--widen-content-key {width} is narrower than the model's {old}")
+    config = copy.deepcopy(c)
+    config.qk_nope_head_dim, config.qk_head_dim = width, width + rope
+    wide = T.build_model(config)
+    weights, gen = dict(model.state_dict()), torch.Generator().manual_seed(seed)
+    for i in range(c.num_hidden_layers):
+        q_name, kv_name = (f"model.layers.{i}.self_attn.{n}.weight" for n in ("q_proj", "kv_b_proj"))
+        q = weights[q_name].view(heads, old + rope, -1)  # per head: [content | rope] rows
+        q = torch.cat([q[:, :old], q.new_zeros(heads, width - old, q.shape[-1]), q[:, old:]], 1)
+        weights[q_name] = (q * ((width + rope) / (old + rope)) ** 0.5).reshape(-1, q.shape[-1])
+        kv = weights[kv_name].view(heads, old + v, -1)  # per head: [content key | value] rows
+        extra = 0.02 * torch.randn(heads, width - old, kv.shape[-1], generator=gen)
+        weights[kv_name] = torch.cat([kv[:, :old], extra, kv[:, old:]], 1).reshape(-1, kv.shape[-1])
+    wide.load_state_dict(weights)
+    return wide
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=T.MODEL_NAMES)
@@ -179,6 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, help="history JSON, rewritten at every probe")
     ap.add_argument("--save", type=Path, help="weights (state dict), rewritten at every probe")
     ap.add_argument("--init", type=Path, help="start from weights saved by --save")
+    ap.add_argument("--widen-content-key", type=int, help="(MLA) widen the content key to this width, same outputs")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -200,6 +233,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model, tok = reference_models.load(args.name)
     if args.init:
         model.load_state_dict(state.get("model", state))
+    if args.widen_content_key:
+        model = widen_content_key(model, args.widen_content_key)
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
