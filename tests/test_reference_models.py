@@ -59,13 +59,19 @@ def test_load_offline_and_solve_a_held_out_item(name, monkeypatch):
     assert wrong == 0, f"{name}: {wrong} of {len(target)} target tokens mispredicted"
 
 
-def _train_reference():
+def _benchmark_module(name: str):
+    """A script of benchmarks/models imported as a module (it imports its neighbours by name)."""
+    import importlib
+
     sys.path.insert(0, str(REPO / "benchmarks" / "models"))
     try:
-        import train_reference
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return train_reference
+
+
+def _train_reference():
+    return _benchmark_module("train_reference")
 
 
 @pytest.mark.parametrize("name", ["mla", "gqa"])
@@ -434,11 +440,7 @@ def test_lookup_pilot_documents():
 
     from kvarn_mla.evaluation import retrieval as RT
 
-    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
-    try:
-        import pilot_lookup as P
-    finally:
-        sys.path.pop(0)
+    P = _benchmark_module("pilot_lookup")
     _, tok = reference_models.load("gqa")
     docs = P.Docs(tok, max_facts=4)
     ids, mask = docs.recall(random.Random(0), 3)
@@ -471,11 +473,7 @@ def test_lookup_pilot_documents():
 def test_lookup_pilot_scratch_models_are_the_recipes():
     # A scratch pilot (--scratch --heads/--kv-heads/--rope-dim) builds the architecture the v5 recipe trains.
     tr = _train_reference()
-    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
-    try:
-        import pilot_lookup as P
-    finally:
-        sys.path.pop(0)
+    P = _benchmark_module("pilot_lookup")
     _, tok = reference_models.load("gqa")
     v5_pilots = {"gqa": dict(heads=8, kv_heads=2), "mha": dict(heads=8), "mla": dict(heads=8, rope_dim=64)}
     for name, kwargs in v5_pilots.items():
@@ -488,11 +486,7 @@ def test_lookup_pilot_scratch_models_are_the_recipes():
 def test_widening_the_mla_content_key_keeps_the_outputs():
     # The pilot's --widen-content-key: an MLA model widened from 32 to 64 content-key channels gives the same logits.
     tr = _train_reference()
-    sys.path.insert(0, str(REPO / "benchmarks" / "models"))
-    try:
-        import pilot_lookup as P
-    finally:
-        sys.path.pop(0)
+    P = _benchmark_module("pilot_lookup")
     _, tok = reference_models.load("gqa")
     torch.manual_seed(0)
     model = tr.build_model(tr.build_config("mla", dataclasses.replace(tr.V5, num_layers=2), tok)).eval()
