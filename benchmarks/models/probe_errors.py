@@ -10,6 +10,8 @@ later digits, and the end of text.
     python benchmarks/models/probe_errors.py gqa                        # the bundled checkpoint
     python benchmarks/models/probe_errors.py gqa --state runs/gqa/state.pt --items 100
     python benchmarks/models/probe_errors.py mha --state runs/lookup-ext-mha/state.pt --context 8192 --items 20
+    python benchmarks/models/probe_errors.py mla --state runs/v5-mla/state.pt \
+        --tokenizer-dir kvarn_mla/reference_models/gqa --context 1024
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
-from train_reference import rope_of_state, set_rope, target_hits  # noqa: E402  (this folder is on the path)
+from train_reference import build_config, build_model, recipe_of_state, rope_of_state, set_rope, target_hits  # noqa: E402  (this folder is on the path)
 
 from kvarn_mla import reference_models  # noqa: E402
 from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
@@ -70,24 +72,31 @@ def retrieval_places(item: retrieval.Item) -> list[str]:
 
 
 @torch.no_grad()
-def probe_retrieval(model, tokenizer, items: int, context: int, seed: int) -> tuple[Counter, Counter]:
-    """Wrong and total target tokens per :func:`retrieval_places` over ``items`` held-out items."""
-    wrong, total = Counter(), Counter()
+def probe_retrieval(model, tokenizer, items: int, context: int, seed: int) -> tuple[Counter, Counter, list[float]]:
+    """Wrong and total target tokens per :func:`retrieval_places` over ``items`` held-out items, and the
+    probability the model gave each right first value token (a lookup that does not happen leaves digits near
+    0.1, the digit prior, and a chain's next key near 0)."""
+    wrong, total, first_value_p = Counter(), Counter(), []
     for item in retrieval.held_out_items(tokenizer, context, seed, items):
         prompt = tokenizer(item.prompt, add_special_tokens=False).input_ids
         target = tokenizer(item.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         places = retrieval_places(item)
         assert len(places) == len(target), (len(places), len(target))
-        for key, ok in zip(places, target_hits(model, prompt, target)):
+        probs = model(input_ids=torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1].softmax(-1)
+        for index, (key, want) in enumerate(zip(places, target)):
             total[key] += 1
-            wrong[key] += not ok
-    return wrong, total
+            wrong[key] += int(probs[index].argmax()) != want
+            if key == "value: first token":
+                first_value_p.append(float(probs[index, want]))
+    return wrong, total, first_value_p
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=("mla", "gqa", "mha"))
     parser.add_argument("--state", type=Path, help="a training state (runs/<name>/state.pt) instead of the checkpoint")
+    parser.add_argument("--tokenizer-dir", type=Path,
+                        help="the run's tokenizer (its --tokenizer-dir; default: the bundled checkpoint's)")
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument(
         "--task",
@@ -100,15 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     checkpoint = reference_models.path(args.name)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    if args.state is not None:  # same architecture, the weights and RoPE of that step (float32, as trained)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or checkpoint)
+    if args.state is None:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    else:  # the state's own architecture (its recipe's), weights and RoPE of that step (float32, as trained)
         state = torch.load(args.state, weights_only=False)
+        model = build_model(build_config(args.name, recipe_of_state(state), tokenizer))
         model.load_state_dict(state["model"])
         set_rope(model, rope_of_state(state))
     model.eval()
     if args.context:
-        wrong, total = probe_retrieval(model, tokenizer, args.items, args.context, args.seed)
+        wrong, total, first_value_p = probe_retrieval(model, tokenizer, args.items, args.context, args.seed)
         suite = f"retrieval items of {args.context} tokens, seed {args.seed}"
     else:
         task = reasoning.TASKS[args.task] if args.task else reasoning.task_of(model.config)
@@ -117,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.name}: wrong / total target tokens, teacher-forced, first {args.items} held-out {suite}")
     for key in sorted(total):
         print(f"  {key:<22} {wrong[key]:>5} / {total[key]:,}")
+    if args.context:
+        print(f"  first value tokens: mean probability of the right one {sum(first_value_p) / len(first_value_p):.3f}"
+              f" (median {sorted(first_value_p)[len(first_value_p) // 2]:.3f})")
 
 
 if __name__ == "__main__":
