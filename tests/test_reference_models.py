@@ -558,3 +558,30 @@ def test_compare_legs_pairs_the_same_items(tmp_path, capsys):
     assert "vs a +0 -0, p = 1" in out  # reasoning: the same two items right
     compare_legs.main([f"{k}={v}" for k, v in paths.items()])
     assert "retrieval" not in capsys.readouterr().out  # another seed: other items, not paired
+
+
+def test_error_probe_loads_a_state_of_its_own_architecture(tmp_path, capsys):
+    # probe_errors --state builds the state's recipe's architecture (the v5 MLA is not the bundled MLA's shape) and
+    # counts every target token of a retrieval item once, with the right first value tokens' probabilities.
+    tr = _train_reference()
+    probe = _benchmark_module("probe_errors")
+    tok_dir = reference_models.path("gqa")
+    _, tok = reference_models.load("gqa")
+    torch.manual_seed(0)
+    model = tr.build_model(tr.build_config("mla", tr.V5, tok))
+    state = tmp_path / "state.pt"
+    torch.save({"model": model.state_dict(), "recipe": tr.recipe_json(tr.V5), "step": 1}, state)
+    threads = torch.get_num_threads()
+    try:
+        probe.main(["mla", "--state", str(state), "--tokenizer-dir", str(tok_dir), "--context", "512", "--items", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    from kvarn_mla.evaluation import retrieval
+
+    item = retrieval.held_out_items(tok, 512, 20000, 1)[0]
+    places = probe.retrieval_places(item)
+    totals = [int(line.split(" / ")[1].replace(",", "")) for line in out.splitlines()[1:] if " / " in line]
+    assert sum(totals) == len(places)
+    p = float(out.split("right one ")[1].split()[0])
+    assert 0.0 <= p < 0.5  # random weights: no lookup
