@@ -51,8 +51,15 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def load_runs(results: Path = RESULTS, names: tuple[str, ...] = NAMES) -> dict[str, dict]:
-    """``{name: metrics}`` of the models among ``names`` with a results file."""
-    return {n: json.loads((results / f"{n}.json").read_text()) for n in names if (results / f"{n}.json").exists()}
+    """``{name: metrics}`` of the models among ``names`` with a results file of version 2 or later (the v1 MLA's
+    metrics, still bundled, predate the code, retrieval and token counts these tables read: left out, with a line
+    on stderr)."""
+    runs = {n: json.loads((results / f"{n}.json").read_text()) for n in names if (results / f"{n}.json").exists()}
+    for n in [n for n, m in runs.items() if "code_tokens" not in m["tokens_seen"]]:
+        print(f"summarize: {n}: {results / f'{n}.json'} is a version-1 result (no code or retrieval counts); left out",
+              file=sys.stderr)
+        del runs[n]
+    return runs
 
 
 def models_section(runs: dict[str, dict]) -> None:
