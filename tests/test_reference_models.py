@@ -472,6 +472,15 @@ def test_lookup_pilot_documents():
     assert seq.shape == (2, 17) and bool(m.all()) and not bool(doc.any())
     assert bool((seq[:, 1:] - seq[:, :-1] == 1).all())
     assert torch.equal(seq, docs.batch("code", 3, rows=2, context=16)[0])
+    # the retrieval task: one training item of the real task a row, trained on exactly its answer and end of text
+    seq, m, doc = docs.batch("retrieval", 5, rows=2, context=256)
+    assert seq.shape == m.shape == (2, 257) and not bool(doc.any())
+    assert torch.equal(seq, docs.batch("retrieval", 5, rows=2, context=256)[0])
+    for row_ids, row_mask in zip(seq.tolist(), m.tolist()):
+        start, end = row_mask.index(1), len(row_mask) - row_mask[::-1].index(1)
+        assert sum(row_mask) == end - start and row_ids[start - 1] == tok.convert_tokens_to_ids(R.ANSWER)
+        assert tok.decode(row_ids[start : end - 1]).startswith(RT.KEY) and row_ids[end - 1] == tok.eos_token_id
+        assert RT.QUERY in tok.decode(row_ids[:start]) and len(tok.decode(row_ids[:start])) > 500  # code filler
 
 
 def test_lookup_pilot_scratch_models_are_the_recipes():

@@ -11,6 +11,8 @@ script measures whether that circuit forms on the densest data there is, so a re
   targets. ``--no-separator`` drops ``<|value|>`` from facts and targets, so the value follows its key directly
   (a plain one-token induction match instead of a match on the token two back).
 - ``copy``: ``<|query|> t1 .. tL<|answer|> t1 .. tL``, the textbook induction task (every target is a copy).
+- ``retrieval``: the real task, one training item of ``--context`` tokens with code filler a row, trained on its
+  answer only: whether the lookup forms in filler when drilled there directly.
 
 Documents are packed into ``--rows`` rows of ``--context`` tokens with the block-diagonal mask of
 ``train_reference.py``. Every ``--probe-every`` steps the script scores fresh recall documents with 1, 2, 4
@@ -55,7 +57,7 @@ from kvarn_mla.evaluation import retrieval  # noqa: E402
 PROBE_FACTS = (1, 2, 4, 8)
 
 
-TASKS = ("recall", "copy", "code")
+TASKS = ("recall", "copy", "code", "retrieval")
 
 
 class Docs(T.LookupDocs):
@@ -82,6 +84,16 @@ class Docs(T.LookupDocs):
         if task == "code":
             ids = torch.stack([self.code_window(rng, context + 1) for _ in range(rows)])
             return ids, torch.ones_like(ids), torch.zeros_like(ids)
+        if task == "retrieval":  # one training item of the real task (code filler) a row, trained on its answer only
+            ids, mask = [], []
+            for row in range(rows):
+                item = retrieval.make_item(self.tok, context, rng.choice(retrieval.TRAIN_SEEDS), step * rows + row)
+                prompt = self.tok(item.prompt, add_special_tokens=False).input_ids
+                target = self.tok(item.target, add_special_tokens=False).input_ids + [self.eos]
+                pad = context + 1 - len(prompt) - len(target)
+                ids.append(prompt + target + [self.eos] * pad)
+                mask.append([0] * len(prompt) + [1] * len(target) + [0] * pad)
+            return torch.tensor(ids), torch.tensor(mask), torch.zeros(rows, context + 1, dtype=torch.long)
         ids, mask, doc = [], [], []
         for _ in range(rows):
             row_ids, row_mask, row_doc = [], [], []
@@ -191,7 +203,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=T.MODEL_NAMES)
     ap.add_argument(
-        "--task", type=parse_tasks, default="recall", help="recall | copy | code | task:steps,... (curriculum)"
+        "--task",
+        type=parse_tasks,
+        default="recall",
+        help="recall | copy | code | retrieval | task:steps,... (curriculum)",
     )
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
