@@ -598,3 +598,21 @@ def test_error_probe_loads_a_state_of_its_own_architecture(tmp_path, capsys):
     assert sum(totals) == len(places)
     p = float(out.split("right one ")[1].split()[0])
     assert 0.0 <= p < 0.5  # random weights: no lookup
+
+
+def test_fact_attention_finds_the_shipped_gqa_lookup_head():
+    # probe_errors --attention: the shipped v5 GQA looks the queried fact up with one head of its last layer (nearly
+    # all of that head's weight on the fact's tokens); weights of random MLA attend nowhere in particular; the model's
+    # attention implementation comes back as it was.
+    tr = _train_reference()
+    probe = _benchmark_module("probe_errors")
+    model, tok = reference_models.load("gqa")
+    implementation = model.config._attn_implementation
+    mass, n = probe.fact_attention(model, tok, 2, 512, 30000)
+    assert n == 2 and mass.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
+    assert float(mass[-1].max()) > 0.9 and float(mass[:-1].max()) < 0.5
+    assert model.config._attn_implementation == implementation
+    torch.manual_seed(0)
+    mla = tr.build_model(tr.build_config("mla", tr.V5, tok)).eval()
+    mass, _ = probe.fact_attention(mla, tok, 1, 512, 30000)
+    assert mass.shape == (4, 8) and float(mass.max()) < 0.2 and float(mass.min()) >= 0.0
