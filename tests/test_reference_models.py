@@ -616,3 +616,5 @@ def test_fact_attention_finds_the_shipped_gqa_lookup_head():
     mla = tr.build_model(tr.build_config("mla", tr.V5, tok)).eval()
     mass, _ = probe.fact_attention(mla, tok, 1, 512, 30000)
     assert mass.shape == (4, 8) and float(mass.max()) < 0.2 and float(mass.min()) >= 0.0
+    with pytest.raises(SystemExit):  # --attention without --context: an error naming the missing flag
+        probe.main(["gqa", "--attention"])

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", action="store_true",
                         help="with --context: also where the answer's lookup attends (each layer's best head)")
     args = parser.parse_args(argv)
+    if args.attention and not args.context:
+        parser.error("--attention probes retrieval items: give --context N (tokens an item) as well")
     torch.set_num_threads(2)
     checkpoint = reference_models.path(args.name)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or checkpoint)
