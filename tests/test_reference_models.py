@@ -618,3 +618,44 @@ def test_fact_attention_finds_the_shipped_gqa_lookup_head():
     assert mass.shape == (4, 8) and float(mass.max()) < 0.2 and float(mass.min()) >= 0.0
     with pytest.raises(SystemExit):  # --attention without --context: an error naming the missing flag
         probe.main(["gqa", "--attention"])
+
+
+@pytest.mark.parametrize("model_type, overrides",
+                         [("llama", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})])
+def test_logit_parts_add_up_to_the_models_attention(tiny, model_type, overrides):
+    # probe_errors --logits: the parts it splits a layer's logits into (MLA: content + RoPE) are the model's own logits:
+    # their causal softmax is the attention the model computes (eager); the hooks are removed afterwards.
+    probe = _benchmark_module("probe_errors")
+    model = tiny(model_type, **overrides)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    captured, handles = [], []
+    for layer in model.model.layers:
+        handles.append(layer.self_attn.register_forward_pre_hook(
+            lambda attention, args, kwargs: captured.append(
+                probe.logit_parts(attention, kwargs["hidden_states"], kwargs["position_embeddings"])),
+            with_kwargs=True))
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    for handle in handles:
+        handle.remove()
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    for parts, attention in zip(captured, attentions, strict=True):
+        assert set(parts) == ({"content", "rope", "total"} if model_type == "deepseek_v3" else {"total"})
+        if model_type == "deepseek_v3":
+            torch.testing.assert_close(parts["content"] + parts["rope"], parts["total"])
+        weights = torch.softmax(parts["total"].masked_fill(~causal, float("-inf")), -1)
+        torch.testing.assert_close(weights, attention[0], atol=1e-5, rtol=1e-4)
+
+
+def test_fact_logits_single_out_the_fact_in_the_shipped_gqa_lookup_layer():
+    probe = _benchmark_module("probe_errors")
+    model, tok = reference_models.load("gqa")
+    parts = probe.fact_logits(model, tok, 2, 512, 30000)
+    assert set(parts) == {"total"}
+    stats = parts["total"]
+    assert stats["std"].shape == stats["z"].shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
+    assert float(stats["z"][-1].max()) > 3.5 and float(stats["z"][:-1].max()) < 3.0  # the last layer's lookup heads
+    assert not any(layer.self_attn._forward_pre_hooks for layer in model.model.layers)
+    with pytest.raises(SystemExit):
+        probe.main(["gqa", "--logits"])
