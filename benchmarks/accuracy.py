@@ -74,8 +74,8 @@ def _paired_cell(c) -> str:
 def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     """The long-context tables of benchmarks/README.md, from the records and summaries (``--long-summary``):
     ``reasoning-tf`` right of N (Wilson 95%) and paired against 16-bit, ``kvarn-B`` and ``rot-B`` for the models
-    side by side; right per scratchpad-length bin; ``accumulation-long`` mean KL per quarter of the text (and the
-    static cache's last quarter)."""
+    side by side; right per scratchpad-length bin; ``accumulation-long`` and ``accumulation-retrieval`` mean KL per
+    quarter of the text (and the static cache's last quarter)."""
     from kvarn_mla.evaluation.checkers import wilson_interval
     from kvarn_mla.evaluation.paired import load_verdicts, paired_rows
     from kvarn_mla.report.long_context import length_verdicts, partner_comparisons, reference_of
@@ -117,11 +117,11 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
                       for label, by_method in zip(labels, bins.values())]
             if len(methods) < len(every):
                 lines += ["", "Right on no item: " + ", ".join(m for m in every if m not in methods) + "."]
-    for model in models:
-        path = accuracy / f"{model}-accumulation-long.json"
+    for model, suite in ((m, s) for m in models for s in ("accumulation-long", "accumulation-retrieval")):
+        path = accuracy / f"{model}-{suite}.json"
         if not path.exists():
             continue
-        lines += ["", f"{model.upper()}, accumulation-long: mean KL to 16-bit per quarter of the text "
+        lines += ["", f"{model.upper()}, {suite}: mean KL to 16-bit per quarter of the text "
                   "(accumulated cache; static: the cache holds the reference's K/V):", "",
                   "| method | 1st quarter | 2nd | 3rd | 4th | 4th, static | top-1 agreement |",
                   "|---|---|---|---|---|---|---|"]
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
     parser.add_argument("--long-summary", action="store_true",
-                        help="only print the README's long-chain reasoning and accumulation-long tables")
+                        help="only print the README's long-chain reasoning and 16K accumulation tables")
     args = parser.parse_args(argv)
     if args.goals:
         print(goals_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
