@@ -93,7 +93,6 @@ def probe_retrieval(model, tokenizer, items: int, context: int, seed: int) -> tu
     return wrong, total, first_value_p
 
 
-@torch.no_grad()
 def fact_span(tokenizer, item: retrieval.Item) -> tuple[list[int], int, slice]:
     """The ids of a held-out retrieval ``item`` written out (prompt and target), the position of the answer's first
     ``<|value|>`` (it predicts the first value token: the lookup), and the queried fact's tokens in the prompt, from
@@ -109,6 +108,7 @@ def fact_span(tokenizer, item: retrieval.Item) -> tuple[list[int], int, slice]:
     return ids, query, slice(at - len(key) - 1, at + 2)
 
 
+@torch.no_grad()
 def fact_attention(model, tokenizer, items: int, context: int, seed: int) -> tuple[torch.Tensor, int]:
     """Where the lookup attends: for each layer and head, the mean attention weight that the answer's first
     ``<|value|>`` (the position that predicts the first value token) gives the queried fact's own tokens, from its
@@ -166,6 +166,7 @@ def logit_parts(attention, hidden: torch.Tensor, position_embeddings) -> dict[st
     return {"total": (q @ k.transpose(-1, -2))[0] * attention.scaling}
 
 
+@torch.no_grad()
 def fact_logits(model, tokenizer, items: int, context: int, seed: int) -> dict[str, dict[str, torch.Tensor]]:
     """How the logits of the answer's lookup single out the queried fact, per part (`logit_parts`): for each layer
     and head, the spread of the part over the visible positions (``std``) and how far above its mean the fact's best
@@ -190,8 +191,7 @@ def fact_logits(model, tokenizer, items: int, context: int, seed: int) -> dict[s
         for item in retrieval.held_out_items(tokenizer, context, seed, items):
             ids, query, fact = fact_span(tokenizer, item)
             captured.clear()
-            with torch.no_grad():
-                model(input_ids=torch.tensor([ids]))
+            model(input_ids=torch.tensor([ids]))
             for part in captured[0]:
                 logits = torch.stack([c[part][:, query, : query + 1] for c in captured])  # [layers, H, visible]
                 spread = logits.std(-1)
