@@ -190,6 +190,8 @@ class Recipe:
     num_heads: int = 4  # head_dim = hidden_size / num_heads; GQA has num_heads / 4 key/value heads
     mla_rope_head_dim: int | None = None  # MLA's shared RoPE key (None: a head's width); the first MLA model's,
     #   16 wide with 8 heads, never learned the reasoning lookup, a 32-wide one stalled it (v2), 64 formed it (v3)
+    mla_nope_head_dim: int | None = None  # MLA's content (no-RoPE) key per head (None: a head's width); the value
+    #   and the latent stay a head's width and 4 x it, so the cache is the same size whatever this is
     intermediate_size: int = 768
     rope_theta: float = 10_000.0  # RoPE base of the short phases (a phase may raise it, see Phase.rope_theta)
     max_positions: int = 16384
@@ -437,6 +439,14 @@ V5 = Recipe(
     ),
 )
 
+# Version 6 (MLA): v5 with MLA's content key twice a head's width (64; RoPE key 64, value 32, latent 128 as v5, so
+# the cache is unchanged). At v5's step 2,900 MLA had no lookup head: split at the answer's lookup, the content part
+# of its logits (32 channels) spread over less than one logit in most heads of layers 1-3 while the shared RoPE part
+# spread over 1.2-6.4 (`probe_errors.py --logits`), so its attention was positional and the content lookup the
+# retrieval task needs had no channel it used. DeepSeek-V3 has the content key twice the RoPE key (128 : 64); v5 had
+# it half. Llama models do not read the field: for GQA and MHA v6 is v5.
+V6 = replace(V5, mla_nope_head_dim=64)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -460,6 +470,7 @@ RECIPES = {
     "lookup-1q": LOOKUP_ONE_QUERY,
     "v4": V4,
     "v5": V5,
+    "v6": V6,
     "smoke": SMOKE,
 }
 
@@ -545,7 +556,7 @@ def build_config(name: str, r: Recipe, tok: PreTrainedTokenizerFast) -> Pretrain
             num_key_value_heads=r.num_heads,
             kv_lora_rank=4 * head_dim,
             q_lora_rank=None,
-            qk_nope_head_dim=head_dim,
+            qk_nope_head_dim=r.mla_nope_head_dim or head_dim,
             qk_rope_head_dim=r.mla_rope_head_dim or head_dim,
             v_head_dim=head_dim,
             first_k_dense_replace=r.num_layers,
