@@ -546,6 +546,21 @@ def test_v5_architectures():
     assert tr.build_config("mla", tr.V4, tok).qk_rope_head_dim == 64  # None: a head's width, as v4 ran
 
 
+def test_v6_widens_only_mla_content_key():
+    # v6: MLA's content key 64 wide (twice a head); its cache (latent 128 + RoPE key 64) and the Llama models as v5
+    tr = _train_reference()
+    _, tok = reference_models.load("gqa")
+    v5, v6 = (tr.build_config("mla", r, tok) for r in (tr.V5, tr.V6))
+    assert (v6.qk_nope_head_dim, v6.qk_rope_head_dim, v6.v_head_dim) == (64, 64, 32)
+    assert (v6.kv_lora_rank, v6.qk_rope_head_dim) == (v5.kv_lora_rank, v5.qk_rope_head_dim)
+    for name in ("gqa", "mha"):
+        assert tr.build_config(name, tr.V6, tok).to_dict() == tr.build_config(name, tr.V5, tok).to_dict()
+    # a v5 state (saved before the field existed) does not continue under v6: the architecture differs
+    saved = json.loads(json.dumps(tr.recipe_json(tr.V5)))
+    saved.pop("mla_nope_head_dim")
+    assert tr.same_schedule(saved, tr.V5, 2900) and not tr.same_schedule(saved, tr.V6, 2900)
+
+
 def test_compare_legs_pairs_the_same_items(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "benchmarks" / "models"))
     try:
@@ -620,8 +635,9 @@ def test_fact_attention_finds_the_shipped_gqa_lookup_head():
         probe.main(["gqa", "--attention"])
 
 
-@pytest.mark.parametrize("model_type, overrides",
-                         [("llama", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})])
+@pytest.mark.parametrize(
+    "model_type, overrides", [("llama", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})]
+)
 def test_logit_parts_add_up_to_the_models_attention(tiny, model_type, overrides):
     # probe_errors --logits: the parts it splits a layer's logits into (MLA: content + RoPE) are the model's own logits:
     # their causal softmax is the attention the model computes (eager); the hooks are removed afterwards.
@@ -631,10 +647,14 @@ def test_logit_parts_add_up_to_the_models_attention(tiny, model_type, overrides)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     captured, handles = [], []
     for layer in model.model.layers:
-        handles.append(layer.self_attn.register_forward_pre_hook(
-            lambda attention, args, kwargs: captured.append(
-                probe.logit_parts(attention, kwargs["hidden_states"], kwargs["position_embeddings"])),
-            with_kwargs=True))
+        handles.append(
+            layer.self_attn.register_forward_pre_hook(
+                lambda attention, args, kwargs: captured.append(
+                    probe.logit_parts(attention, kwargs["hidden_states"], kwargs["position_embeddings"])
+                ),
+                with_kwargs=True,
+            )
+        )
     with torch.no_grad():
         attentions = model(ids, output_attentions=True).attentions
     for handle in handles:
