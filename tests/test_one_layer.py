@@ -1,0 +1,57 @@
+"""benchmarks/one_layer.py: caches that quantize one layer only."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarn_mla.evaluation.methods import parse_method
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def one_layer():
+    spec = importlib.util.spec_from_file_location("one_layer", ROOT / "benchmarks" / "one_layer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _method(one_layer, layer: int):
+    base = parse_method("kvarn-2")
+    return one_layer.OneLayerMethod(base.name, base.kind, base.config, cache_kwargs={"layer": layer})
+
+
+def test_only_the_chosen_layer_is_quantized(tiny, one_layer):
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (1, 320), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for layer in (0, 1):
+        method = _method(one_layer, layer)
+        with method.applied(model):
+            cache = method.new_cache(model)
+            assert [[s.scheme.bits for s in lay.specs] for lay in cache.layers] == [
+                [2, 2] if i == layer else [16, 16] for i in range(2)
+            ]
+            with one_layer.allow_mixed_caches(), torch.no_grad():
+                model(ids[:, :256], cache=cache, use_cache=True)  # the first tile after the sink fills
+                logits[layer] = model(ids[:, 256:], cache=cache, use_cache=True).logits
+    with torch.no_grad():
+        exact = model(ids).logits[:, 256:]
+    for layer in (0, 1):  # each reads a quantized tile somewhere, and not the same one
+        assert not torch.allclose(logits[layer], exact, atol=1e-4)
+    assert not torch.allclose(logits[0], logits[1], atol=1e-4)
+
+
+def test_run_scores_every_layer_and_restores_the_check(one_layer):
+    check = sys.modules["kvarn_mla.patch"]._check_cache_fits
+    result = one_layer.run("gqa", "kvarn-4", 1)
+    assert len(result["right_by_layer"]) == 4 and set(result["right_by_layer"]) <= {0, 1}
+    assert sys.modules["kvarn_mla.patch"]._check_cache_fits is check
+    with pytest.raises(SystemExit, match="KVarN method"):
+        one_layer.run("gqa", "fp32", 1)
