@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 from transformers import DynamicCache
 
 from kvarn_mla.config import QUANTIZERS, KVarNConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def lookup_error():
-    spec = importlib.util.spec_from_file_location("lookup_error", ROOT / "benchmarks" / "lookup_error.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("lookup_error")
 
 
 def test_captured_keys_are_the_keys_the_model_caches(tiny, lookup_error):

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 from kvarn_mla.evaluation.methods import parse_method
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def one_layer():
-    spec = importlib.util.spec_from_file_location("one_layer", ROOT / "benchmarks" / "one_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("one_layer")
 
 
 def _method(one_layer, layer: int):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, load_benchmark
 from test_evaluation import char_tokenizer
 
 from kvarn_mla.cli import main
@@ -136,14 +136,10 @@ def test_report_never_succeeds_on_no_results(tmp_path, monkeypatch, capsys):
 def test_committed_results_still_read():
     """Records and summaries written before records named their configuration (the reference labelled "bf16")
     feed the report and the README table as before."""
-    import importlib.util
-
     import kvarn_mla.report as report
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("accuracy_script", root / "benchmarks" / "accuracy.py")
-    accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(accuracy)
+    accuracy = load_benchmark("accuracy")
     table = accuracy.summary_table(root / "benchmarks" / "results" / "accuracy")
     assert "| MLA | bf16 |" in table and "| GQA | kvarn-2 |" in table
     rows = json.loads((root / "benchmarks" / "results" / "accuracy" / "mla-reasoning.json").read_text())["methods"]
@@ -238,12 +234,7 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
 def test_long_summary_pairs_lengths_and_quarters(tmp_path):
     """accuracy.py --long-summary: right of N with the paired cells (16-bit, kvarn-B, rot-B; bold when significant),
     right per scratchpad-length bin with the methods right on no item named, and KL per quarter of the text."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("accuracy_script", root / "benchmarks" / "accuracy.py")
-    accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(accuracy)
+    accuracy = load_benchmark("accuracy")
     n = 40
     ok = lambda right: [i < right for i in range(n)]  # noqa: E731 (items 0..right-1 right: nested sets)
     lengths = [400 + 50 * i for i in range(n)]  # 400 .. 2,350 generated tokens
