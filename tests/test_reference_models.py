@@ -226,6 +226,37 @@ def test_rows_of_every_kind(smoke_tokenizer):
     assert seen == {"code", "r", "o", "k", "y", "a"}
 
 
+def test_gated_phase_ends_at_its_monitor_and_resumes_so(tmp_path, monkeypatch):
+    # A phase with ``until`` ends at the first monitor point that meets it; the steps it ran are in the state, so a
+    # resumed run keeps that schedule (and refuses a gate it does not know).
+    tr = _train_reference()
+    warm, main, anneal = tr.SMOKE.phases
+    gated = dataclasses.replace(tr.SMOKE, phases=(dataclasses.replace(warm, until=("tf_acc_cell", 0.0)), main, anneal))
+    assert gated.ended_early({"warm": 1}).steps == 5 and gated.ended_early({}) == gated
+    with pytest.raises(ValueError, match="no gated phase named \\['main'\\]"):
+        gated.ended_early({"main": 1})
+    monkeypatch.setitem(tr.RECIPES, "smoke", gated)
+
+    def args(run: str) -> list[str]:
+        out = ["gqa", "--smoke", "--eval-items", "0", "--eval-contexts", "", "--eval-code-window", "0"]
+        out += ["--monitor-every", "1", "--monitor-items", "2", "--monitor-contexts", "640"]
+        return out + ["--run-dir", str(tmp_path / run), "--out-dir", str(tmp_path / run / "ckpt")]
+
+    metrics = tr.main(args("met"))
+    assert [h["phase"] for h in metrics["history"]] == ["warm", "main", "main", "anneal", "anneal"]
+    assert metrics["steps_done"] == 5 and all(0 <= h["recall_8_value_acc"] <= 1 for h in metrics["history"])
+    assert torch.load(tmp_path / "met" / "state.pt", weights_only=False)["ended_early"] == {"warm": 1}
+    assert tr.main(args("met") + ["--resume"])["history"] == metrics["history"]
+    # a gate that is never met leaves the phase its full length
+    never = dataclasses.replace(gated, phases=(dataclasses.replace(warm, until=("tf_acc_cell", 2.0)), main, anneal))
+    monkeypatch.setitem(tr.RECIPES, "smoke", never)
+    assert tr.main(args("never"))["steps_done"] == 6
+    unknown = dataclasses.replace(gated, phases=(dataclasses.replace(warm, until=("nonsense", 0.0)), main, anneal))
+    monkeypatch.setitem(tr.RECIPES, "smoke", unknown)
+    with pytest.raises(ValueError, match="'nonsense', which the monitor does not measure"):
+        tr.main(args("unknown"))
+
+
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"

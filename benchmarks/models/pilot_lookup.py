@@ -120,14 +120,7 @@ def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int =
     model.eval()
     out = {}
     for facts in PROBE_FACTS:
-        rng, hit, total = random.Random(f"pilot-probe/{facts}"), 0, 0
-        for _ in range(per_size):
-            ids, mask = docs.recall(rng, facts)
-            pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
-            for i in range(1, len(ids)):
-                if mask[i] and ids[i] in docs.digits:
-                    hit, total = hit + int(pred[i - 1] == ids[i]), total + 1
-        out[f"recall_{facts}_value_acc"] = hit / total
+        out[f"recall_{facts}_value_acc"] = T.recall_value_acc(model, docs, facts, per_size)
     first = whole = lookups = 0
     for it in monitor:
         prompt = tok(it.prompt, add_special_tokens=False).input_ids

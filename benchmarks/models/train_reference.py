@@ -125,6 +125,9 @@ class Phase:
             slows those beyond ``original_context`` ``factor`` times and blends between; short-range position
             heads (the reasoning lookup) keep their angles while the slow pairs stop turning over long distances.
         facts: most facts in a recall document (``a`` rows), drawn uniformly from 1.
+        until: ``(monitor key, threshold)``: ``steps`` is then a cap and the phase ends at the first monitor point in
+            it whose record has ``key >= threshold`` (the v5 lookup phases ended by count, MHA's before its lookup
+            had formed). The steps a gated phase ran are kept in the training state, so a resumed run has them too.
     """
 
     name: str
@@ -144,6 +147,7 @@ class Phase:
     rope_theta: float | None = None
     facts: int = 16
     rope_scaling: tuple[float, int] | None = None
+    until: tuple[str, float] | None = None
 
     @property
     def rows(self) -> int:
@@ -207,6 +211,15 @@ class Recipe:
     @property
     def steps(self) -> int:
         return sum(p.steps for p in self.phases)
+
+    def ended_early(self, ran: dict[str, int]) -> "Recipe":
+        """This recipe with the gated phases named in ``ran`` cut to the steps they ran (``{phase name: steps}``)."""
+        unknown = set(ran) - {p.name for p in self.phases if p.until is not None}
+        if unknown:
+            raise ValueError(
+                f"no gated phase named {sorted(unknown)}; gated: {[p.name for p in self.phases if p.until is not None]}"
+            )
+        return replace(self, phases=tuple(replace(p, steps=ran.get(p.name, p.steps)) for p in self.phases))
 
     def phase_at(self, step: int) -> tuple[Phase, int]:
         """The phase of optimizer step ``step`` (0-based) and the step's index within it."""
@@ -447,6 +460,23 @@ V5 = Recipe(
 # it half. Llama models do not read the field: for GQA and MHA v6 is v5.
 V6 = replace(V5, mla_nope_head_dim=64)
 
+# A leg for the v5 MHA (`--init mha`), whose lookup phases ended by step count before its lookup had formed: it
+# retrieves 6/100 at 8K, and its recall probe (`pilot_lookup.py --steps 0`, state 3,550) matches keys at 0.90 / 0.82 /
+# 0.76 with 2 / 4 / 8 facts, where the v5 GQA's reads 1.00 at each. So the recall phase runs until the probe
+# reads >= 0.98 at 8 facts (800 steps at most), then v5's filler, then v5's main until every 4K monitor item is
+# right (450 at most) and shorter long4k and anneal phases (the weights have had both once). The whole leg keeps
+# the RoPE the model was last trained under (llama3 x32 from 512).
+RELOOKUP = replace(
+    V5,
+    phases=(
+        replace(V5.phases[3], steps=800, warmup=20, rope_scaling=(32.0, 512), until=("recall_8_value_acc", 0.98)),
+        V5.phases[4],
+        replace(V5.phases[5], until=("retrieval_4096_tf_all", 1.0)),
+        replace(V5.phases[6], steps=200),
+        V5.phases[7],
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -471,6 +501,7 @@ RECIPES = {
     "v4": V4,
     "v5": V5,
     "v6": V6,
+    "relookup": RELOOKUP,
     "smoke": SMOKE,
 }
 
@@ -974,6 +1005,25 @@ def teacher_forced(model: PreTrainedModel, data: Data, items: list[reasoning.Ite
     return out
 
 
+RECALL_PROBE_FACTS = (2, 4, 8)  # facts per probe document; picking any one fact's value scores about 1 / facts
+
+
+@torch.no_grad()
+def recall_value_acc(model: PreTrainedModel, docs: LookupDocs, facts: int, documents: int = 40) -> float:
+    """Value-digit accuracy (argmax, teacher-forced) on ``documents`` fresh recall documents of ``facts`` facts, drawn
+    from a fixed seed: the key match of the content lookup, apart from code filler and length. Above ``1 / facts``
+    only if the model matches keys."""
+    model.eval()
+    rng, hit, total = random.Random(f"pilot-probe/{facts}"), 0, 0
+    for _ in range(documents):
+        ids, mask = docs.recall(rng, facts)
+        pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        for i in range(1, len(ids)):
+            if mask[i] and ids[i] in docs.digits:
+                hit, total = hit + int(pred[i - 1] == ids[i]), total + 1
+    return hit / total
+
+
 @torch.no_grad()
 def retrieval_teacher_forced(model: PreTrainedModel, data: Data, items: list[retrieval.Item]) -> dict[str, float]:
     """Cheap retrieval progress signal: share of items whose every target token is the argmax given the prompt and
@@ -1354,10 +1404,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # first models' reasoning lookup never formed in two task-phase runs, while every probe with one group did.
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr_at(0), betas=(0.9, 0.95), eps=1e-8, weight_decay=r.weight_decay)
     state_path = run_dir / "state.pt"
-    start, train_seconds, history = 0, 0.0, []
+    start, train_seconds, history, ended_early = 0, 0.0, [], {}
     seen = {"input_tokens": 0, "loss_tokens": 0} | {f"{k}_tokens": 0 for k in KIND_NAMES.values()}
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
+        ended_early = st.get("ended_early", {})
+        r = data.r = r.ended_early(ended_early)
         if not same_schedule(st["recipe"], r, st["step"]):
             raise ValueError(
                 f"{state_path} was written by a recipe whose first {st['step']} steps differ: {st['recipe']}"
@@ -1372,11 +1424,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     monitor_retrieval = {
         c: retrieval.held_out_items(tok, c, MONITOR_SEED, args.monitor_items // 2) for c in args.monitor_contexts
     }
+    monitor_keys = {"tf_acc_cell", "tf_items_all_right"} | {f"recall_{f}_value_acc" for f in RECALL_PROBE_FACTS}
+    monitor_keys |= {f"retrieval_{c}_tf_{m}" for c in monitor_retrieval for m in ("all", "token", "value")}
+    for p in r.phases:
+        if p.until is not None and (not args.monitor_every or p.until[0] not in monitor_keys):
+            raise ValueError(
+                f"phase {p.name!r} ends on {p.until[0]!r}, which the monitor does not measure "
+                f"(--monitor-every {args.monitor_every}; measured: {sorted(monitor_keys)})"
+            )
     stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
-    for step in range(start, stop):
+    step = start
+    while step < stop:
         model.train()
         t0 = time.time()
-        phase, _ = r.phase_at(step)
+        phase, in_phase = r.phase_at(step)
         set_rope(model, rope_at(r, step))
         for g in opt.param_groups:
             g["lr"] = r.lr_at(step)
@@ -1419,7 +1480,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     m["tf_token_acc"],
                     m["tf_first_value_acc"],
                 )
+            for f in RECALL_PROBE_FACTS:
+                rec[f"recall_{f}_value_acc"] = recall_value_acc(model, data.lookup, f)
             rec["monitor_sec"] = time.time() - t_mon
+        gate_passed = phase.until is not None and rec.get(phase.until[0], -math.inf) >= phase.until[1]
+        if gate_passed and in_phase + 1 < phase.steps:  # the rest of the phase is skipped; its steps are recorded
+            ended_early[phase.name] = in_phase + 1
+            r = data.r = r.ended_early(ended_early)
+            stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
         history.append(rec)
         print(
             f"[{args.name}] step {step + 1}/{r.steps} {phase.name} loss {rec['loss']:.3f} ("
@@ -1433,13 +1501,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     f"/{rec[f'retrieval_{c}_tf_value']:.3f}"
                     for c in monitor_retrieval
                 )
+                + " | recall "
+                + "/".join(f"{rec[f'recall_{f}_value_acc']:.2f}" for f in RECALL_PROBE_FACTS)
                 + f" ({rec['monitor_sec']:.0f}s)"
+                + (f" | {phase.name} ends: {phase.until[0]} >= {phase.until[1]}" if gate_passed else "")
                 if "monitor_sec" in rec
                 else ""
             ),
             flush=True,
         )
-        if (step + 1) % args.save_every == 0 or step + 1 == stop:
+        if (step + 1) % args.save_every == 0 or step + 1 == stop or gate_passed:
             tmp = state_path.with_suffix(".tmp")
             torch.save(
                 {
@@ -1451,10 +1522,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     "history": history,
                     "seen": seen,
                     "torch_rng": torch.get_rng_state(),
+                    "ended_early": ended_early,
                 },
                 tmp,
             )
             os.replace(tmp, state_path)
+        step += 1
 
     # Final evaluation runs on the checkpoint as shipped: bf16 weights, loaded back in float32.
     ckpt_bytes = save_checkpoint(model, tok, out_dir)
