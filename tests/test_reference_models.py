@@ -226,6 +226,29 @@ def test_rows_of_every_kind(smoke_tokenizer):
     assert seen == {"code", "r", "o", "k", "y", "a"}
 
 
+def test_recall_probe_tells_key_match_from_digit_copying():
+    # A model that writes every value digit but the first scores high on value digits and 0 on the key match.
+    tr = _train_reference()
+    docs = tr.LookupDocs(AutoTokenizer.from_pretrained(reference_models.path("gqa")), max_facts=8)
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, miss_first: bool) -> None:
+            super().__init__()
+            self.miss_first = miss_first
+
+        def forward(self, input_ids):
+            ids = input_ids[0]
+            nxt = torch.cat([ids[1:], ids[:1]])
+            after_value = torch.cat([ids[:-1] == docs.value, torch.tensor([False])])
+            wrong = torch.where(nxt == docs.digits[0], docs.digits[1], docs.digits[0])
+            nxt = torch.where(after_value & self.miss_first, wrong, nxt)
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 4096).float()[None]})()
+
+    assert tr.recall_accuracy(Oracle(False), docs, 4, documents=5) == {"value_acc": 1.0, "key_acc": 1.0}
+    copier = tr.recall_accuracy(Oracle(True), docs, 4, documents=5)
+    assert copier["key_acc"] == 0.0 and copier["value_acc"] == 0.75  # four digits a value, the first one missed
+
+
 def test_gated_phase_ends_at_its_monitor_and_resumes_so(tmp_path, monkeypatch):
     # A phase with ``until`` ends at the first monitor point that meets it; the steps it ran are in the state, so a
     # resumed run keeps that schedule (and refuses a gate it does not know).
@@ -244,7 +267,8 @@ def test_gated_phase_ends_at_its_monitor_and_resumes_so(tmp_path, monkeypatch):
 
     metrics = tr.main(args("met"))
     assert [h["phase"] for h in metrics["history"]] == ["warm", "main", "main", "anneal", "anneal"]
-    assert metrics["steps_done"] == 5 and all(0 <= h["recall_8_value_acc"] <= 1 for h in metrics["history"])
+    assert metrics["steps_done"] == 5
+    assert all(0 <= h[f"recall_8_{m}"] <= 1 for h in metrics["history"] for m in ("value_acc", "key_acc"))
     assert torch.load(tmp_path / "met" / "state.pt", weights_only=False)["ended_early"] == {"warm": 1}
     assert tr.main(args("met") + ["--resume"])["history"] == metrics["history"]
     # a gate that is never met leaves the phase its full length

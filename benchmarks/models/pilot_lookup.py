@@ -114,13 +114,14 @@ class Docs(T.LookupDocs):
 
 @torch.no_grad()
 def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int = 40) -> dict[str, float]:
-    """Value-digit accuracy on fresh recall documents of each size in :data:`PROBE_FACTS` (fixed seed), and on the
+    """Value-digit and key-match accuracy (:func:`train_reference.recall_accuracy`) on fresh recall documents of each
+    size in :data:`PROBE_FACTS` (fixed seed), and on the
     held-out retrieval monitor items: the target tokens that follow ``<|value|>`` (the first value token of each
     written fact), and the share of items whose whole target is the argmax."""
     model.eval()
     out = {}
     for facts in PROBE_FACTS:
-        out[f"recall_{facts}_value_acc"] = T.recall_value_acc(model, docs, facts, per_size)
+        out.update({f"recall_{facts}_{m}": v for m, v in T.recall_accuracy(model, docs, facts, per_size).items()})
     first = whole = lookups = 0
     for it in monitor:
         prompt = tok(it.prompt, add_special_tokens=False).input_ids
@@ -148,13 +149,20 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
     return out
 
 
-def scratch_config(name: str, tok, layers: int | None = None, heads: int | None = None, kv_heads: int | None = None,
-                   rope_dim: int | None = None) -> transformers.PretrainedConfig:
+def scratch_config(
+    name: str,
+    tok,
+    layers: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    rope_dim: int | None = None,
+) -> transformers.PretrainedConfig:
     """train_reference's architecture for ``name`` (`Recipe` defaults), with these layers, query heads (head width
     hidden / heads), key/value heads (Llama models) or MLA RoPE-key width instead."""
     base = T.Recipe()
-    recipe = replace(base, num_layers=layers or base.num_layers, num_heads=heads or base.num_heads,
-                     mla_rope_head_dim=rope_dim)
+    recipe = replace(
+        base, num_layers=layers or base.num_layers, num_heads=heads or base.num_heads, mla_rope_head_dim=rope_dim
+    )
     config = T.build_config(name, recipe, tok)
     if kv_heads:
         if config.model_type == "deepseek_v3":
