@@ -1029,7 +1029,7 @@ def recall_accuracy(model: PreTrainedModel, docs: LookupDocs, facts: int, docume
             if mask[i] and ids[i] in docs.digits:
                 ok = int(pred[i - 1] == ids[i])
                 hit, total = hit + ok, total + 1
-                if ids[i - 1] == docs.value:
+                if ids[i - 1] not in docs.digits:  # a value's first digit (after <|value|>, or the key without one)
                     key_hit, keys = key_hit + ok, keys + 1
     return {"value_acc": hit / total, "key_acc": key_hit / keys}
 
