@@ -479,6 +479,28 @@ RELOOKUP = replace(
     ),
 )
 
+# The key match, measured (`recall_accuracy`, README "Session of 2026-12-04 (fourth)"): the v5 MHA and the v6 MLA
+# write a value's later digits by matching the digit before them but pick its first digit from a random fact (key
+# match 0.33-0.34 at 8 facts; GQA 1.00): their last-layer heads spread over every fact's first digit, because no
+# earlier head carries the key word into it (GQA moves it with a two-back head). From the v5 MHA weights a pilot of
+# 300 copy and 300 recall steps with 1-4 facts at lr 3e-3 formed the match (0.99 at 4 facts, 0.86 at 8), where 425
+# recall steps with 1-16 facts at lr 1e-3 (`relookup`) moved nothing. So this leg repeats the lookup curriculum with
+# each recall phase ending on the key match, not on a count, then v5's filler, main (ending when every 4K monitor
+# item is right), and shorter long4k and anneal phases. For `--init mha` (v6 is v5 for Llama models) and for the
+# paused v6 MLA (`--init states/v6-mla-step2825.pt`); the leg keeps the RoPE both were last trained under.
+KEYMATCH = replace(
+    V6,
+    phases=(
+        replace(V4.phases[1], steps=300, rope_scaling=(32.0, 512)),
+        replace(V5.phases[2], steps=600, lr=3e-3, final_lr=3e-3, until=("recall_4_key_acc", 0.95)),
+        replace(V5.phases[3], until=("recall_8_key_acc", 0.95)),
+        V5.phases[4],
+        replace(V5.phases[5], until=("retrieval_4096_tf_all", 1.0)),
+        replace(V5.phases[6], steps=200),
+        V5.phases[7],
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -504,6 +526,7 @@ RECIPES = {
     "v5": V5,
     "v6": V6,
     "relookup": RELOOKUP,
+    "keymatch": KEYMATCH,
     "smoke": SMOKE,
 }
 
