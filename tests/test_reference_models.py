@@ -690,6 +690,20 @@ def test_fact_attention_finds_the_shipped_gqa_lookup_head():
         probe.main(["gqa", "--attention"])
 
 
+def test_recall_circuit_finds_the_shipped_gqa_key_match():
+    # probe_errors --recall: the shipped v5 GQA's last layer puts nearly all of a head's weight on the queried fact's
+    # first digit and next to none on the other facts'; a layer-1 head carries each key word two positions on.
+    probe = _benchmark_module("probe_errors")
+    model, tok = reference_models.load("gqa")
+    implementation = model.config._attn_implementation
+    parts = probe.recall_circuit(model, tok, facts=4, documents=3)
+    right, other = parts["lookup: right first digit"], parts["lookup: other first digits"]
+    assert right.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
+    assert float(right[-1].max()) > 0.9 and float(other[-1, right[-1].argmax()]) < 0.1
+    assert float((right + other).max()) <= 1 + 1e-5 and float(parts["first digit -> key word"][1].max()) > 0.5
+    assert model.config._attn_implementation == implementation
+
+
 @pytest.mark.parametrize(
     "model_type, overrides", [("llama", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})]
 )

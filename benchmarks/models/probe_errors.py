@@ -14,11 +14,13 @@ later digits, and the end of text.
         --tokenizer-dir kvarn_mla/reference_models/gqa --context 1024
     python benchmarks/models/probe_errors.py gqa --context 512 --items 24 --attention   # where the lookup attends
     python benchmarks/models/probe_errors.py gqa --context 512 --items 8 --logits   # how its logits find the fact
+    python benchmarks/models/probe_errors.py mha --recall 4 --items 30   # the key match's circuit, on recall documents
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,7 +32,15 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
-from train_reference import build_config, build_model, recipe_of_state, rope_of_state, set_rope, target_hits  # noqa: E402  (this folder is on the path)
+from train_reference import (  # noqa: E402  (this folder is on the path)
+    LookupDocs,
+    build_config,
+    build_model,
+    recipe_of_state,
+    rope_of_state,
+    set_rope,
+    target_hits,
+)
 
 from kvarn_mla import reference_models  # noqa: E402
 from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
@@ -143,14 +153,20 @@ def logit_parts(attention, hidden: torch.Tensor, position_embeddings) -> dict[st
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
         nope, rope, rank = attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.kv_lora_rank
-        q = attention.q_proj(hidden) if attention.q_lora_rank is None else \
-            attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(hidden)))
+        q = (
+            attention.q_proj(hidden)
+            if attention.q_lora_rank is None
+            else attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(hidden)))
+        )
         q = q.view(*hidden.shape[:2], -1, nope + rope).transpose(1, 2)
         q_nope, q_rope = q.split([nope, rope], -1)
         latent, k_rope = attention.kv_a_proj_with_mqa(hidden).split([rank, rope], -1)
         latent = attention.kv_a_layernorm(latent)[:, None]
-        rotate = deepseek.apply_rotary_pos_emb_interleave if attention.config.rope_interleave else \
-            deepseek.apply_rotary_pos_emb
+        rotate = (
+            deepseek.apply_rotary_pos_emb_interleave
+            if attention.config.rope_interleave
+            else deepseek.apply_rotary_pos_emb
+        )
         q_rope, k_rope = rotate(q_rope, k_rope[:, None], cos, sin)
         k_nope = attention.expand_kv(latent, k_rope)[0][..., :nope]
         content = (q_nope @ k_nope.transpose(-1, -2))[0] * attention.scaling
@@ -205,12 +221,63 @@ def fact_logits(model, tokenizer, items: int, context: int, seed: int) -> dict[s
             handle.remove()
 
 
+@torch.no_grad()
+def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, torch.Tensor]:
+    """The key match's attention on recall documents of ``facts`` facts (:class:`train_reference.LookupDocs`, a fixed
+    seed), each ``[layers, heads]``, mean over the queried facts:
+
+    - ``lookup: right first digit`` / ``lookup: other first digits``: weight from a target's ``<|value|>`` (it
+      predicts the value's first digit) on the queried fact's first digit in the prompt, and on the other facts'.
+      A formed match puts one head's weight on the right one; a head that finds value slots but not keys splits it
+      evenly (right ``1 / facts``).
+    - ``first digit -> key word`` (two back) and ``<|value|> -> key word`` (one back), in the prompt's facts: the
+      heads that carry the key word to where the lookup reads it.
+    """
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    docs, rng = LookupDocs(tokenizer, max_facts=facts), random.Random(f"recall-circuit/{facts}")
+    names = (
+        "lookup: right first digit",
+        "lookup: other first digits",
+        "first digit -> key word",
+        "<|value|> -> key word",
+    )
+    sums, counts = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    try:
+        for _ in range(documents):
+            ids, mask = docs.recall(rng, facts)
+            attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+            weights = torch.stack([a[0] for a in attentions])  # [layers, heads, query, key]
+            answer = mask.index(1)
+            fact_at = {ids[k + 1]: k for k in range(answer) if ids[k] == docs.key}  # key word -> its <|key|>
+            for k in fact_at.values():
+                sums["first digit -> key word"] += weights[:, :, k + 3, k + 1]
+                sums["<|value|> -> key word"] += weights[:, :, k + 2, k + 1]
+            counts["first digit -> key word"] += len(fact_at)
+            counts["<|value|> -> key word"] += len(fact_at)
+            for j in range(answer, len(ids) - 1):
+                if ids[j] != docs.key:
+                    continue
+                word, value = ids[j + 1], j + 2  # the target's <|key|> word <|value|>
+                sums["lookup: right first digit"] += weights[:, :, value, fact_at[word] + 3]
+                others = [k + 3 for w, k in fact_at.items() if w != word]
+                sums["lookup: other first digits"] += weights[:, :, value, others].sum(-1)
+                counts["lookup: right first digit"] += 1
+                counts["lookup: other first digits"] += 1
+        return {name: sums[name] / counts[name] for name in names}
+    finally:
+        model.set_attn_implementation(implementation)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=("mla", "gqa", "mha"))
     parser.add_argument("--state", type=Path, help="a training state (runs/<name>/state.pt) instead of the checkpoint")
-    parser.add_argument("--tokenizer-dir", type=Path,
-                        help="the run's tokenizer (its --tokenizer-dir; default: the bundled checkpoint's)")
+    parser.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="the run's tokenizer (its --tokenizer-dir; default: the bundled checkpoint's)",
+    )
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument(
         "--task",
@@ -219,11 +286,23 @@ def main(argv: list[str] | None = None) -> None:
         help="reasoning task version (default: the checkpoint's; a --state of a run on another version needs it)",
     )
     parser.add_argument("--context", type=int, help="probe held-out retrieval items of this many tokens instead")
+    parser.add_argument(
+        "--recall",
+        type=int,
+        metavar="FACTS",
+        help="instead: the key match's attention on --items recall documents of this many facts",
+    )
     parser.add_argument("--seed", type=int, default=20000, help="retrieval seed (default: the evaluation's)")
-    parser.add_argument("--attention", action="store_true",
-                        help="with --context: also where the answer's lookup attends (each layer's best head)")
-    parser.add_argument("--logits", action="store_true",
-                        help="with --context: how the lookup's logits single out the fact (MLA: content vs RoPE part)")
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="with --context: also where the answer's lookup attends (each layer's best head)",
+    )
+    parser.add_argument(
+        "--logits",
+        action="store_true",
+        help="with --context: how the lookup's logits single out the fact (MLA: content vs RoPE part)",
+    )
     args = parser.parse_args(argv)
     for flag in ("attention", "logits"):
         if getattr(args, flag) and not args.context:
@@ -239,6 +318,13 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(state["model"])
         set_rope(model, rope_of_state(state))
     model.eval()
+    if args.recall:
+        print(f"{args.name}: attention on {args.items} recall documents of {args.recall} facts (layers x heads)")
+        for part, weights in recall_circuit(model, tokenizer, args.recall, args.items).items():
+            print(f"  {part}")
+            for layer, heads in enumerate(weights):
+                print(f"    layer {layer}: {' '.join(f'{float(w):.2f}' for w in heads)}")
+        return
     if args.context:
         wrong, total, first_value_p = probe_retrieval(model, tokenizer, args.items, args.context, args.seed)
         suite = f"retrieval items of {args.context} tokens, seed {args.seed}"
@@ -250,22 +336,30 @@ def main(argv: list[str] | None = None) -> None:
     for key in sorted(total):
         print(f"  {key:<22} {wrong[key]:>5} / {total[key]:,}")
     if args.context:
-        print(f"  first value tokens: mean probability of the right one {sum(first_value_p) / len(first_value_p):.3f}"
-              f" (median {sorted(first_value_p)[len(first_value_p) // 2]:.3f})")
+        print(
+            f"  first value tokens: mean probability of the right one {sum(first_value_p) / len(first_value_p):.3f}"
+            f" (median {sorted(first_value_p)[len(first_value_p) // 2]:.3f})"
+        )
     if args.context and args.attention:
         mass, n = fact_attention(model, tokenizer, args.items, args.context, args.seed)
         print(f"attention weight from the answer's first <|value|> on the queried fact, mean of {n} items:")
         for layer, heads in enumerate(mass):
-            print(f"  layer {layer}: best head {int(heads.argmax())} {float(heads.max()):.3f}"
-                  f" (all heads: {' '.join(f'{float(m):.2f}' for m in heads)})")
+            print(
+                f"  layer {layer}: best head {int(heads.argmax())} {float(heads.max()):.3f}"
+                f" (all heads: {' '.join(f'{float(m):.2f}' for m in heads)})"
+            )
     if args.context and args.logits:
         parts = fact_logits(model, tokenizer, args.items, args.context, args.seed)
-        print("the lookup's logits on the queried fact, per layer, heads 0..H-1: spread over the visible positions "
-              "(std) and the fact's best token above the mean in spreads (z)")
+        print(
+            "the lookup's logits on the queried fact, per layer, heads 0..H-1: spread over the visible positions "
+            "(std) and the fact's best token above the mean in spreads (z)"
+        )
         for part, stats in parts.items():
             for layer in range(stats["std"].shape[0]):
-                print(f"  {part:<7} layer {layer}: std {' '.join(f'{float(v):.1f}' for v in stats['std'][layer])}"
-                      f" | z {' '.join(f'{float(v):.1f}' for v in stats['z'][layer])}")
+                print(
+                    f"  {part:<7} layer {layer}: std {' '.join(f'{float(v):.1f}' for v in stats['std'][layer])}"
+                    f" | z {' '.join(f'{float(v):.1f}' for v in stats['z'][layer])}"
+                )
 
 
 if __name__ == "__main__":
