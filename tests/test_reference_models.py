@@ -453,8 +453,11 @@ def test_monitor_table_from_a_training_log():
     mon = " | reasoning tf cell 0.512 all 0.062 | retrieval tf @1024 0.00/0.345/0.071 (9s)"
     log = [step.format(1, 9.0), step.format(2, 5.0), step.format(2, 3.0), step.format(3, 1.0) + mon]
     rows = summarize.monitor_rows(log, [1024, 4096], window=2)
-    assert rows == [["gqa", "3", "copy", "2.00", "0.512 / 0.06", "0.34 / 0.07", "-"]]
+    assert rows == [["gqa", "3", "copy", "2.00", "0.512 / 0.06", "0.34 / 0.07", "-", "-"]]
     assert summarize.monitor_rows(log, [1024], window=3)[0][3] == f"{(9 + 3 + 1) / 3:.2f}"
+    # logs since the recall probe: its key match at 2 / 4 / 8 facts in the last column
+    key = mon.replace(" (9s)", " | recall value/key 0.98/0.97 0.90/0.81 0.80/0.62 (9s)")
+    assert summarize.monitor_rows([step.format(4, 1.0) + key], [1024])[0][-2:] == ["0.34 / 0.07", "0.97 / 0.81 / 0.62"]
 
 
 def test_accumulation_texts_of_the_reasoning_task():

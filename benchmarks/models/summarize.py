@@ -56,8 +56,10 @@ def load_runs(results: Path = RESULTS, names: tuple[str, ...] = NAMES) -> dict[s
     on stderr)."""
     runs = {n: json.loads((results / f"{n}.json").read_text()) for n in names if (results / f"{n}.json").exists()}
     for n in [n for n, m in runs.items() if "code_tokens" not in m["tokens_seen"]]:
-        print(f"summarize: {n}: {results / f'{n}.json'} is a version-1 result (no code or retrieval counts); left out",
-              file=sys.stderr)
+        print(
+            f"summarize: {n}: {results / f'{n}.json'} is a version-1 result (no code or retrieval counts); left out",
+            file=sys.stderr,
+        )
         del runs[n]
     return runs
 
@@ -294,14 +296,17 @@ def fill(template: str, runs: dict[str, dict], names: tuple[str, ...] = NAMES) -
 
 
 _STEP = re.compile(r"^\[(\w+)\] step (\d+)/\d+ (\S+) loss \S+ \(([^)]*)\)")
-_MONITOR = re.compile(r"\| reasoning tf cell ([\d.]+) all ([\d.]+) \| retrieval tf (.*) \(\d+s\)")
+_MONITOR = re.compile(
+    r"\| reasoning tf cell ([\d.]+) all ([\d.]+) \| retrieval tf (.*?)(?: \| recall value/key (.*))? \(\d+s\)"
+)
 
 
 def monitor_rows(log_lines: list[str], contexts: list[int], window: int = 50) -> list[list[str]]:
     """Rows of the README's training-monitor table from a ``train_reference.py`` log: model, step, phase, the lookup
     loss (the ``retrieval`` group: copy, recall or retrieval targets; mean of the ``window`` steps up to the row),
     reasoning cell accuracy / items whole, and for each of ``contexts`` the monitored retrieval items' target-token /
-    first-value-token accuracy ("-" where not monitored). A step logged twice (a resumed run) counts as last logged."""
+    first-value-token accuracy ("-" where not monitored), and the recall probe's key match at 2 / 4 / 8 facts ("-" in
+    logs from before it was monitored). A step logged twice (a resumed run) counts as last logged."""
     steps: dict[int, tuple[str, str, dict[str, float], str]] = {}
     for line in log_lines:
         m = _STEP.match(line)
@@ -327,6 +332,7 @@ def monitor_rows(log_lines: list[str], contexts: list[int], window: int = 50) ->
                 f"{mon[1]} / {float(mon[2]):.2f}",
             ]
             + [f"{float(at[c][1]):.2f} / {float(at[c][2]):.2f}" if c in at else "-" for c in contexts]
+            + [" / ".join(pair.split("/")[1] for pair in mon[4].split()) if mon[4] else "-"]
         )
     return rows
 
@@ -350,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         contexts = sorted({int(c) for text in logs for c in re.findall(r"@(\d+) [\d.]+/", text)})
         table(
             ["model", "step", "phase", "lookup loss (mean of the 50 steps up to it)", "reasoning cell / items whole"]
-            + [f"retrieval @{c:,}: tokens / first value" for c in contexts],
+            + [f"retrieval @{c:,}: tokens / first value" for c in contexts]
+            + ["key match at 2 / 4 / 8 facts"],
             [row for text in logs for row in monitor_rows(text.splitlines(), contexts)],
         )
         return 0
