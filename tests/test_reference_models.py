@@ -249,6 +249,21 @@ def test_recall_probe_tells_key_match_from_digit_copying():
     assert copier["key_acc"] == 0.0 and copier["value_acc"] == 0.75  # four digits a value, the first one missed
 
 
+def test_pilot_bridge_drops_the_separator_from_a_share_of_training_documents():
+    # pilot_lookup --without-separator-share: that share of training recall documents has no <|value|>; the probe's
+    # documents (``recall``) keep the task's format.
+    import random
+
+    pilot = _benchmark_module("pilot_lookup")
+    tok = AutoTokenizer.from_pretrained(reference_models.path("gqa"))
+    every, half = pilot.Docs(tok, 4, without_separator=1.0), pilot.Docs(tok, 4, without_separator=0.5)
+    rng = random.Random(0)
+    assert all(every.value not in every.document("recall", rng)[0] for _ in range(20))
+    assert every.separator and every.value in every.recall(rng, 2)[0]
+    with_value = sum(half.value in half.document("recall", rng)[0] for _ in range(200))
+    assert 70 < with_value < 130
+
+
 def test_gated_phase_ends_at_its_monitor_and_resumes_so(tmp_path, monkeypatch):
     # A phase with ``until`` ends at the first monitor point that meets it; the steps it ran are in the state, so a
     # resumed run keeps that schedule (and refuses a gate it does not know).

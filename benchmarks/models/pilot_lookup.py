@@ -64,9 +64,21 @@ class Docs(T.LookupDocs):
     """:class:`train_reference.LookupDocs` packed into whole rows of one task (end-of-text padding, no code), or
     windows of the train split's code stream (``code``: language modelling on every token)."""
 
-    def __init__(self, tok, *args, **kwargs) -> None:
+    def __init__(self, tok, *args, without_separator: float = 0.0, **kwargs) -> None:
         super().__init__(tok, *args, **kwargs)
         self.tok, self._code = tok, None
+        self.without_separator = without_separator  # share of training recall documents drawn without <|value|>
+
+    def document(self, task: str, rng: random.Random, max_facts: int | None = None) -> tuple[list[int], list[int]]:
+        # a bridge: the match one token back (no <|value|>), which the v6 MLA forms in 50 steps, beside the task's
+        # two-back one, which it did not form in 600; the probe (``recall``) keeps the instance's format
+        if task == "recall" and self.separator and rng.random() < self.without_separator:
+            self.separator = False
+            try:
+                return super().document(task, rng, max_facts)
+            finally:
+                self.separator = True
+        return super().document(task, rng, max_facts)
 
     def code_window(self, rng: random.Random, n: int) -> torch.Tensor:
         if self._code is None:  # tokenized on first use (~40 s): the lookup tasks never need it
@@ -211,6 +223,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")
+    ap.add_argument(
+        "--without-separator-share",
+        type=float,
+        default=0.0,
+        help="share of training recall documents without <|value|> (the probe keeps it)",
+    )
     ap.add_argument("--words", type=int, help="key vocabulary: the first N words (default all)")
     ap.add_argument("--scratch", action="store_true", help="fresh weights of train_reference's architecture")
     ap.add_argument("--layers", type=int, help="with --scratch: this many layers")
@@ -254,7 +272,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.config._attn_implementation = "sdpa_pad_v"
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
-    docs = Docs(tok, args.facts, separator=not args.no_separator, words=args.words)
+    docs = Docs(
+        tok,
+        args.facts,
+        separator=not args.no_separator,
+        words=args.words,
+        without_separator=args.without_separator_share,
+    )
     phase_of = [task for task, steps in schedule for _ in range(steps)]
     monitor = retrieval.held_out_items(tok, 512, T.MONITOR_SEED, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
