@@ -73,11 +73,7 @@ class Docs(T.LookupDocs):
         # a bridge: the match one token back (no <|value|>), which the v6 MLA forms in 50 steps, beside the task's
         # two-back one, which it did not form in 600; the probe (``recall``) keeps the instance's format
         if task == "recall" and self.separator and rng.random() < self.without_separator:
-            self.separator = False
-            try:
-                return super().document(task, rng, max_facts)
-            finally:
-                self.separator = True
+            return super().document(task, rng, max_facts, separator=False)
         return super().document(task, rng, max_facts)
 
     def code_window(self, rng: random.Random, n: int) -> torch.Tensor:

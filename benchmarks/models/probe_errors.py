@@ -242,7 +242,7 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
         "first digit -> key word",
         "<|value|> -> key word",
     )
-    sums, counts = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    sums, facts_seen, lookups = dict.fromkeys(names, 0.0), 0, 0
     try:
         for _ in range(documents):
             ids, mask = docs.recall(rng, facts)
@@ -253,8 +253,7 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
             for k in fact_at.values():
                 sums["first digit -> key word"] += weights[:, :, k + 3, k + 1]
                 sums["<|value|> -> key word"] += weights[:, :, k + 2, k + 1]
-            counts["first digit -> key word"] += len(fact_at)
-            counts["<|value|> -> key word"] += len(fact_at)
+            facts_seen += len(fact_at)
             for j in range(answer, len(ids) - 1):
                 if ids[j] != docs.key:
                     continue
@@ -262,9 +261,8 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
                 sums["lookup: right first digit"] += weights[:, :, value, fact_at[word] + 3]
                 others = [k + 3 for w, k in fact_at.items() if w != word]
                 sums["lookup: other first digits"] += weights[:, :, value, others].sum(-1)
-                counts["lookup: right first digit"] += 1
-                counts["lookup: other first digits"] += 1
-        return {name: sums[name] / counts[name] for name in names}
+                lookups += 1
+        return {name: sums[name] / (lookups if name.startswith("lookup") else facts_seen) for name in names}
     finally:
         model.set_attn_implementation(implementation)
 

@@ -479,7 +479,7 @@ RELOOKUP = replace(
     ),
 )
 
-# The key match, measured (`recall_accuracy`, README "Session of 2026-12-04 (fourth)"): the v5 MHA and the v6 MLA
+# The key match, measured (`recall_accuracy`, README "The key match"): the v5 MHA and the v6 MLA
 # write a value's later digits by matching the digit before them but pick its first digit from a random fact (key
 # match 0.33-0.34 at 8 facts; GQA 1.00): their last-layer heads spread over every fact's first digit, because no
 # earlier head carries the key word into it (GQA moves it with a two-back head). From the v5 MHA weights a pilot of
@@ -685,17 +685,20 @@ class LookupDocs:
         self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
         self.max_facts, self.separator = max_facts, separator
 
-    def fact(self, word: int, value: str) -> list[int]:
-        return [self.key, word] + ([self.value] if self.separator else []) + [self.digits[int(d)] for d in value]
+    def fact(self, word: int, value: str, separator: bool | None = None) -> list[int]:
+        """A fact's token ids, with ``<|value|>`` after the key if ``separator`` (None: the instance's format)."""
+        separator = self.separator if separator is None else separator
+        return [self.key, word] + ([self.value] if separator else []) + [self.digits[int(d)] for d in value]
 
-    def recall(self, rng: random.Random, facts: int) -> tuple[list[int], list[int]]:
-        """A recall document with ``facts`` facts: token ids and a 0/1 target mask (1 = trained on)."""
+    def recall(self, rng: random.Random, facts: int, separator: bool | None = None) -> tuple[list[int], list[int]]:
+        """A recall document with ``facts`` facts (format as :meth:`fact`): token ids and a 0/1 target mask (1 =
+        trained on)."""
         words = rng.sample(self.words, facts)
         values = rng.sample(self.train_values, facts)  # distinct: a wrong key never gives the right value
-        ids = [t for w, v in zip(words, values) for t in self.fact(w, v)]
+        ids = [t for w, v in zip(words, values) for t in self.fact(w, v, separator)]
         queried = rng.sample(range(facts), rng.randint(1, facts))
         ids += [self.query] + [words[i] for i in queried] + [self.answer]
-        target = [t for i in queried for t in self.fact(words[i], values[i])] + [self.eos]
+        target = [t for i in queried for t in self.fact(words[i], values[i], separator)] + [self.eos]
         return ids + target, [0] * len(ids) + [1] * len(target)
 
     def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -704,10 +707,13 @@ class LookupDocs:
         ids = [self.query] + seq + [self.answer]
         return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
 
-    def document(self, task: str, rng: random.Random, max_facts: int | None = None) -> tuple[list[int], list[int]]:
-        """A ``"copy"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's) drawn from ``rng``."""
+    def document(
+        self, task: str, rng: random.Random, max_facts: int | None = None, separator: bool | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A ``"copy"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's; format as
+        :meth:`fact`) drawn from ``rng``."""
         if task == "recall":
-            return self.recall(rng, rng.randint(1, max_facts or self.max_facts))
+            return self.recall(rng, rng.randint(1, max_facts or self.max_facts), separator)
         if task == "copy":
             return self.copy(rng)
         raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
@@ -1466,8 +1472,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 f"phase {p.name!r} ends on {p.until[0]!r}, which the monitor does not measure "
                 f"(--monitor-every {args.monitor_every}; measured: {sorted(monitor_keys)})"
             )
-    stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
-    step = start
+
+    def last_step(recipe: Recipe) -> int:
+        return min(recipe.steps, args.max_steps) if args.max_steps is not None else recipe.steps
+
+    stop, step = last_step(r), start
     while step < stop:
         model.train()
         t0 = time.time()
@@ -1521,7 +1530,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         if gate_passed and in_phase + 1 < phase.steps:  # the rest of the phase is skipped; its steps are recorded
             ended_early[phase.name] = in_phase + 1
             r = data.r = r.ended_early(ended_early)
-            stop = min(r.steps, args.max_steps) if args.max_steps is not None else r.steps
+            stop = last_step(r)
         history.append(rec)
         print(
             f"[{args.name}] step {step + 1}/{r.steps} {phase.name} loss {rec['loss']:.3f} ("
