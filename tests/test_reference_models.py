@@ -536,10 +536,19 @@ def test_lookup_pilot_documents():
     assert seq.shape == m.shape == doc.shape == (2, 257)
     assert all(torch.equal(a, b) for a, b in zip((seq, m, doc), docs.batch("recall", 7, rows=2, context=256)))
     assert bool((doc[:, 1:] >= doc[:, :-1]).all()) and int(m.sum()) > 0
-    with pytest.raises(ValueError, match="'recall' or 'copy'"):
+    with pytest.raises(ValueError, match="'recall', 'copy' or 'echo'"):
         docs.batch("lookup", 0, rows=1, context=256)
     with pytest.raises(ValueError, match="context=16"):
         P.Docs(tok, max_facts=8).batch("recall", 0, rows=1, context=16)
+    # echo: every trained token but the end repeats the key word two before the digit it is predicted at; nothing
+    # else is trained on
+    ids, mask = docs.echo(random.Random(1))
+    trained = [i for i, m in enumerate(mask) if m]
+    assert trained[-1] == len(ids) - 1 and ids[-1] == tok.eos_token_id and len(ids) == 1 + 5 * (len(trained) - 1) + 1
+    assert all(ids[i] == ids[i - 3] in docs.words and ids[i - 2] == docs.value for i in trained[:-1])
+    assert all(ids[i - 1] in docs.digits and ids[i - 4] == docs.key for i in trained[:-1])
+    mixed = {docs.document("recall+echo", random.Random(seed))[0][0] for seed in range(20)}
+    assert mixed == {docs.key, docs.query}  # echo documents open with <|query|>, recall ones with a fact
     docs._code = torch.arange(1000)  # the code task's windows (the train split's stream; a stand-in here)
     seq, m, doc = docs.batch("code", 3, rows=2, context=16)
     assert seq.shape == (2, 17) and bool(m.all()) and not bool(doc.any())

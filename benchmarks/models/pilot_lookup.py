@@ -11,6 +11,9 @@ script measures whether that circuit forms on the densest data there is, so a re
   targets. ``--no-separator`` drops ``<|value|>`` from facts and targets, so the value follows its key directly
   (a plain one-token induction match instead of a match on the token two back).
 - ``copy``: ``<|query|> t1 .. tL<|answer|> t1 .. tL``, the textbook induction task (every target is a copy).
+- ``echo``: groups ``<|key|> w<|value|>d w``, trained on the repeated key word: a copy from two tokens back, the
+  step of the key match that the MLA never formed (``train_reference.LookupDocs``). ``recall+echo`` draws each
+  document from one of the two at even odds.
 - ``retrieval``: the real task, one training item of ``--context`` tokens with code filler a row, trained on its
   answer only: whether the lookup forms in filler when drilled there directly.
 
@@ -57,7 +60,7 @@ from kvarn_mla.evaluation import retrieval  # noqa: E402
 PROBE_FACTS = (1, 2, 4, 8)
 
 
-TASKS = ("recall", "copy", "code", "retrieval")
+TASKS = ("recall", "copy", "echo", "recall+echo", "code", "retrieval")
 
 
 class Docs(T.LookupDocs):
@@ -70,6 +73,8 @@ class Docs(T.LookupDocs):
         self.without_separator = without_separator  # share of training recall documents drawn without <|value|>
 
     def document(self, task: str, rng: random.Random, max_facts: int | None = None) -> tuple[list[int], list[int]]:
+        if task == "recall+echo":
+            task = rng.choice(("recall", "echo"))
         # a bridge: the match one token back (no <|value|>), which the v6 MLA forms in 50 steps, beside the task's
         # two-back one, which it did not form in 600; the probe (``recall``) keeps the instance's format
         if task == "recall" and self.separator and rng.random() < self.without_separator:
@@ -124,6 +129,7 @@ class Docs(T.LookupDocs):
 def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int = 40) -> dict[str, float]:
     """Value-digit and key-match accuracy (:func:`train_reference.recall_accuracy`) on fresh recall documents of each
     size in :data:`PROBE_FACTS` (fixed seed), and on the
+    repeated words of echo documents (``echo_acc``), and on the
     held-out retrieval monitor items: the target tokens that follow ``<|value|>`` (the first value token of each
     written fact), and the share of items whose whole target is the argmax."""
     model.eval()
@@ -139,6 +145,13 @@ def probe(model, docs: Docs, tok, monitor: list[retrieval.Item], per_size: int =
         for j in range(1, len(target)):
             if target[j - 1] == docs.value:
                 first, lookups = first + ok[j], lookups + 1
+    rng, hit, total = random.Random("pilot-probe/echo"), 0, 0
+    for _ in range(per_size):  # the two-back copy alone: the repeated key words of echo documents
+        ids, mask = docs.echo(rng)
+        pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        ok = [int(pred[i - 1] == ids[i]) for i in range(1, len(ids) - 1) if mask[i]]
+        hit, total = hit + sum(ok), total + len(ok)
+    out["echo_acc"] = hit / total
     out["retrieval_512_first_value_acc"] = first / lookups
     out["retrieval_512_items_all_right"] = whole / len(monitor)
     return out
@@ -150,7 +163,7 @@ def parse_tasks(spec: str) -> list[tuple[str, int | None]]:
     for part in spec.split(","):
         task, _, steps = part.partition(":")
         if task not in TASKS or (steps and not steps.isdigit()):
-            raise argparse.ArgumentTypeError(f"expected recall | copy | code | task:steps,..., got {spec!r}")
+            raise argparse.ArgumentTypeError(f"expected one of {' | '.join(TASKS)} or task:steps,..., got {spec!r}")
         out.append((task, int(steps) if steps else None))
     if len(out) > 1 and any(n is None for _, n in out):
         raise argparse.ArgumentTypeError(f"a curriculum gives every task its steps, got {spec!r}")
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--task",
         type=parse_tasks,
         default="recall",
-        help="recall | copy | code | retrieval | task:steps,... (curriculum)",
+        help=f"{' | '.join(TASKS)} | task:steps,... (curriculum)",
     )
     ap.add_argument("--facts", type=int, default=4, help="most facts in a recall document")
     ap.add_argument("--no-separator", action="store_true", help="facts without <|value|>")

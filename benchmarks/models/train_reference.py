@@ -665,6 +665,12 @@ class LookupDocs:
       then ``<|query|>``, some of their keys and ``<|answer|>``; the target writes the queried facts in order.
       Values are training values only (:func:`retrieval.value_split`), distinct within a document.
 
+    And one that drills a part of the recall circuit alone:
+
+    - echo: ``<|query|>`` then 2..12 groups ``<|key|> w<|value|>d w`` (w a key word, d a digit), trained on the
+      repeated ``w``, which only the token two back predicts: the route that carries a key into its value's first
+      digit in the recall format (README, "The key match").
+
     Args:
         tok: the reference models' tokenizer.
         max_facts: most facts in a recall document (at least 1).
@@ -707,16 +713,27 @@ class LookupDocs:
         ids = [self.query] + seq + [self.answer]
         return ids + seq + [self.eos], [0] * len(ids) + [1] * (len(seq) + 1)
 
+    def echo(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        """An echo document: token ids and a 0/1 target mask (the repeated key words and the end)."""
+        ids, mask = [self.query], [0]
+        for _ in range(rng.randint(2, 12)):
+            word = rng.choice(self.words)
+            ids += [self.key, word, self.value, rng.choice(self.digits), word]
+            mask += [0, 0, 0, 0, 1]
+        return ids + [self.eos], mask + [1]
+
     def document(
         self, task: str, rng: random.Random, max_facts: int | None = None, separator: bool | None = None
     ) -> tuple[list[int], list[int]]:
-        """A ``"copy"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's; format as
-        :meth:`fact`) drawn from ``rng``."""
+        """A ``"copy"``, ``"echo"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's; format
+        as :meth:`fact`) drawn from ``rng``."""
         if task == "recall":
             return self.recall(rng, rng.randint(1, max_facts or self.max_facts), separator)
         if task == "copy":
             return self.copy(rng)
-        raise ValueError(f"task must be 'recall' or 'copy', got {task!r}")
+        if task == "echo":
+            return self.echo(rng)
+        raise ValueError(f"task must be 'recall', 'copy' or 'echo', got {task!r}")
 
 
 @dataclass
