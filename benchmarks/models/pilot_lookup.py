@@ -33,7 +33,11 @@ built with that run's own architecture and RoPE).
 one optimizer throughout). ``--save`` keeps the weights (float32 state dict) at every probe; ``--init`` starts from
 such a file instead of the bundled checkpoint. ``--widen-content-key N`` (MLA) widens the starting model's
 content (no-RoPE) key from ``qk_nope_head_dim`` to N without changing its outputs (`widen_content_key`), to ask
-whether a wider key matches keys sooner from the same weights.
+whether a wider key matches keys sooner from the same weights. ``--freeze-layers 3 --freeze-steps 150`` keeps
+the last layer as it is for the first 150 steps, so what is learnt then is learnt below it (the echo head forms
+in the last layer otherwise, where the key match cannot use it). Measured on the v6 MLA, freezing does not do
+that: the layers below learn to steer the frozen layer's heads two back instead. ``--echo-exit-layer 1`` reads
+echo steps' logits from layer 1's output (through the final norm and the head), so only layers 0-1 can echo.
 """
 
 from __future__ import annotations
@@ -254,6 +258,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, help="history JSON, rewritten at every probe")
     ap.add_argument("--save", type=Path, help="weights (state dict), rewritten at every probe")
     ap.add_argument("--init", type=Path, help="start from weights saved by --save")
+    ap.add_argument(
+        "--freeze-layers",
+        type=lambda v: [int(i) for i in v.split(",")],
+        default=[],
+        help="decoder layers (comma-separated indices) not trained for the first --freeze-steps steps",
+    )
+    ap.add_argument("--freeze-steps", type=int, help="steps the --freeze-layers stay frozen (default: all)")
+    ap.add_argument(
+        "--echo-exit-layer",
+        type=int,
+        help="echo steps read their logits from this decoder layer's output (final norm and head), not the last",
+    )
     ap.add_argument("--widen-content-key", type=int, help="(MLA) widen the content key to this width, same outputs")
     args = ap.parse_args(argv)
 
@@ -297,13 +313,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_record(args, history)
     for step in range(args.steps):
         model.train()
+        frozen = args.freeze_steps is None or step < args.freeze_steps
+        for i in args.freeze_layers:  # AdamW skips a parameter without a gradient (no update, no decay)
+            model.model.layers[i].requires_grad_(not frozen)
         t0 = time.time()
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
         seq, mask, doc = docs.batch(phase_of[step], step, args.rows, args.context)
         inputs, targets, mask = seq[:, :-1], seq[:, 1:], mask[:, 1:].float()
         attn, positions = T.doc_mask_and_positions(doc[:, :-1])
-        logits = model(input_ids=inputs, attention_mask=attn, position_ids=positions, use_cache=False).logits
+        exit_early = args.echo_exit_layer is not None and phase_of[step] == "echo"
+        out = model(
+            input_ids=inputs,
+            attention_mask=attn,
+            position_ids=positions,
+            use_cache=False,
+            output_hidden_states=exit_early,
+        )
+        logits = out.logits
+        if exit_early:  # hidden_states[i + 1] is layer i's output, before the final norm for every layer but the last
+            logits = model.lm_head(model.model.norm(out.hidden_states[args.echo_exit_layer + 1]))
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
         loss = (nll * mask).sum() / mask.sum()
         loss.backward()
