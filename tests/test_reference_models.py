@@ -728,6 +728,8 @@ def test_recall_circuit_finds_the_shipped_gqa_key_match():
     assert right.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
     assert float(right[-1].max()) > 0.9 and float(other[-1, right[-1].argmax()]) < 0.1
     assert float((right + other).max()) <= 1 + 1e-5 and float(parts["first digit -> key word"][1].max()) > 0.5
+    back1, back2 = parts["any token -> 1 back"], parts["any token -> 2 back"]
+    assert float((back1 + back2).max()) <= 1 + 1e-5 and float(back1[1].max()) > 0.5  # layer 1: previous-token heads
     assert model.config._attn_implementation == implementation
 
 

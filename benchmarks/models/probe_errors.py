@@ -232,6 +232,8 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
       evenly (right ``1 / facts``).
     - ``first digit -> key word`` (two back) and ``<|value|> -> key word`` (one back), in the prompt's facts: the
       heads that carry the key word to where the lookup reads it.
+    - ``any token -> 1 back`` / ``any token -> 2 back``: the same offsets from every position (mean over the
+      positions of every document): the positional heads a layer has, whatever the token.
     """
     implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -241,8 +243,10 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
         "lookup: other first digits",
         "first digit -> key word",
         "<|value|> -> key word",
+        "any token -> 1 back",
+        "any token -> 2 back",
     )
-    sums, facts_seen, lookups = dict.fromkeys(names, 0.0), 0, 0
+    sums, facts_seen, lookups, positions = dict.fromkeys(names, 0.0), 0, 0, 0
     try:
         for _ in range(documents):
             ids, mask = docs.recall(rng, facts)
@@ -254,6 +258,9 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
                 sums["first digit -> key word"] += weights[:, :, k + 3, k + 1]
                 sums["<|value|> -> key word"] += weights[:, :, k + 2, k + 1]
             facts_seen += len(fact_at)
+            for back in (1, 2):
+                sums[f"any token -> {back} back"] += weights.diagonal(-back, -2, -1)[..., 2 - back :].sum(-1)
+            positions += len(ids) - 2
             for j in range(answer, len(ids) - 1):
                 if ids[j] != docs.key:
                     continue
@@ -262,7 +269,8 @@ def recall_circuit(model, tokenizer, facts: int, documents: int) -> dict[str, to
                 others = [k + 3 for w, k in fact_at.items() if w != word]
                 sums["lookup: other first digits"] += weights[:, :, value, others].sum(-1)
                 lookups += 1
-        return {name: sums[name] / (lookups if name.startswith("lookup") else facts_seen) for name in names}
+        counts = dict(zip(names, (lookups, lookups, facts_seen, facts_seen, positions, positions)))
+        return {name: sums[name] / counts[name] for name in names}
     finally:
         model.set_attn_implementation(implementation)
 
