@@ -501,6 +501,19 @@ KEYMATCH = replace(
     ),
 )
 
+# A leg for the finished keymatch MHA (`--init benchmarks/models/states/keymatch-mha-step1750.pt`), which matches keys
+# (1.00 at 8 facts) and retrieves 49/100 at 8K: its `main` ran to its cap (450 steps) without meeting the gate, and
+# teacher-forced at 8K most of its misses are a chain's next key (15 of 18 at step 1,375). So `main` again, until
+# every 4K monitor item is right (600 at most), then long4k 200 and anneal 200, as in `keymatch`.
+CHAINS = replace(
+    V6,
+    phases=(
+        replace(V5.phases[5], steps=600, until=("retrieval_4096_tf_all", 1.0)),
+        replace(V5.phases[6], steps=200),
+        V5.phases[7],
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -527,6 +540,7 @@ RECIPES = {
     "v6": V6,
     "relookup": RELOOKUP,
     "keymatch": KEYMATCH,
+    "chains": CHAINS,
     "smoke": SMOKE,
 }
 
