@@ -514,6 +514,20 @@ CHAINS = replace(
     ),
 )
 
+# The key match for the v6 MLA (`--init benchmarks/models/states/v6-mla-step2825.pt`). In `keymatch` it did not form
+# (0.27 at 8 facts after 300 copy and 600 recall steps); a pilot of recall rows alone at lr 3e-3 from the same weights,
+# no copy phase, formed it by another route than the GQA's: layer-1 heads put the key word on `<|value|>` (0.99), a
+# layer-2 head carries that on to the first digit, and the last layer reads it (0.92 / 0.74 / 0.47 at 2 / 4 / 8 facts
+# after 300 steps, README "Fifth session"). So this leg is `keymatch` without its copy phase, with the first recall
+# phase on recall rows but one code row (the pilot had recall rows only; code stays in every phase) and a higher cap.
+KEYMATCH_MLA = replace(
+    KEYMATCH,
+    phases=(
+        replace(KEYMATCH.phases[1], steps=1200, mix="aaaaaaac", warmup=20, rope_scaling=(32.0, 512)),
+        *KEYMATCH.phases[2:],
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -541,6 +555,7 @@ RECIPES = {
     "relookup": RELOOKUP,
     "keymatch": KEYMATCH,
     "chains": CHAINS,
+    "keymatch-mla": KEYMATCH_MLA,
     "smoke": SMOKE,
 }
 
