@@ -549,6 +549,9 @@ def test_lookup_pilot_documents():
     assert all(ids[i - 1] in docs.digits and ids[i - 4] == docs.key for i in trained[:-1])
     mixed = {docs.document("recall+echo", random.Random(seed))[0][0] for seed in range(20)}
     assert mixed == {docs.key, docs.query}  # echo documents open with <|query|>, recall ones with a fact
+    for flags in (["--freeze-layers", "0,4"], ["--echo-exit-layer", "3"]):  # the bundled GQA has layers 0..3
+        with pytest.raises(SystemExit):
+            P.main(["gqa", "--steps", "0", *flags])
     docs._code = torch.arange(1000)  # the code task's windows (the train split's stream; a stand-in here)
     seq, m, doc = docs.batch("code", 3, rows=2, context=16)
     assert seq.shape == (2, 17) and bool(m.all()) and not bool(doc.any())

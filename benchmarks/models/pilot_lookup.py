@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.widen_content_key:
         model = widen_content_key(model, args.widen_content_key)
     model.config._attn_implementation = "sdpa_pad_v"
+    layers = model.config.num_hidden_layers
+    if any(not 0 <= i < layers for i in args.freeze_layers):
+        ap.error(f"--freeze-layers {args.freeze_layers}: the model's layers are 0..{layers - 1}")
+    # the last layer's output is already normed (hidden_states[-1]); an early exit is a layer below it
+    if args.echo_exit_layer is not None and not 0 <= args.echo_exit_layer < layers - 1:
+        ap.error(f"--echo-exit-layer {args.echo_exit_layer}: expected a layer below the last, 0..{layers - 2}")
     schedule = [(task, steps or args.steps) for task, steps in args.task]
     args.steps = sum(steps for _, steps in schedule)
     docs = Docs(
