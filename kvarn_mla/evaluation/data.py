@@ -18,7 +18,15 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CODE_HELD_OUT_PERCENT", "CodeFile", "code_split", "corpus_info", "read_code_files", "stdlib_root"]
+__all__ = [
+    "CODE_HELD_OUT_PERCENT",
+    "CODE_ROOT_ENV",
+    "CodeFile",
+    "code_split",
+    "corpus_info",
+    "read_code_files",
+    "stdlib_root",
+]
 
 CODE_HELD_OUT_PERCENT = 5
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -37,9 +45,14 @@ class CodeFile:
     text: str
 
 
+CODE_ROOT_ENV = "KVARN_MLA_CODE_ROOT"
+
+
 def stdlib_root() -> Path:
-    """Directory of the running interpreter's standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
+    """Directory of the corpus: ``$KVARN_MLA_CODE_ROOT`` if set (a copy of another interpreter's standard library, so
+    that a run on another machine reads the same files), else the running interpreter's standard library."""
+    override = os.environ.get(CODE_ROOT_ENV)
+    return Path(override) if override else Path(sysconfig.get_paths()["stdlib"])
 
 
 def code_split(relpath: str) -> str:
@@ -83,5 +96,9 @@ def read_code_files(split: str, root: Path | None = None) -> list[CodeFile]:
 
 
 def corpus_info() -> dict[str, object]:
-    """Provenance of the corpus for metrics files: Python version and stdlib path."""
-    return {"python": sys.version.split()[0], "stdlib": str(stdlib_root())}
+    """Provenance of the corpus for metrics files: Python version, the corpus path, and whether it was overridden."""
+    return {
+        "python": sys.version.split()[0],
+        "stdlib": str(stdlib_root()),
+        "code_root_override": CODE_ROOT_ENV in os.environ,
+    }
