@@ -19,22 +19,29 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 RUNS=${RUNS:-runs/gpu}
 DEVICE=${DEVICE:-cuda}              # DEVICE=cpu EVAL_ITEMS=1 DEADLINE small: a check of this script on a CPU
 EVAL_ITEMS=${EVAL_ITEMS:-100}
+CONTEXTS=${CONTEXTS:-8192,16384,4096,2048}  # retrieval contexts evaluated here, in this order
+INIT=${INIT:-}                      # a leg from checkpoints: INIT=DIR starts each model from DIR/NAME (a checkpoint dir)
+SMOKE=${SMOKE:-1}
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 TRAIN=(python3 "$HERE/train_reference.py")
 COMMON=(--device "$DEVICE" --threads 4)
 
 # a smoke run first, so that a broken environment fails in seconds, not at the deadline
-"${TRAIN[@]}" mla --smoke "${COMMON[@]}" --run-dir "$RUNS/smoke" --monitor-every 2 --eval-items 2 --eval-retrieval-items 1 \
-    --eval-contexts 1024 >"$RUNS/smoke.log" 2>&1 || { tail -40 "$RUNS/smoke.log"; exit 3; }
-echo "smoke ok: $(tail -1 "$RUNS/smoke.log")"
+if [ "$SMOKE" = 1 ]; then
+    "${TRAIN[@]}" mla --smoke "${COMMON[@]}" --run-dir "$RUNS/smoke" --monitor-every 2 --eval-items 2 \
+        --eval-retrieval-items 1 --eval-contexts 1024 >"$RUNS/smoke.log" 2>&1 || { tail -40 "$RUNS/smoke.log"; exit 3; }
+    echo "smoke ok: $(tail -1 "$RUNS/smoke.log")"
+fi
 
 pids=()
 for name in mla gqa mha; do
     dir="$RUNS/$RECIPE-$name"
-    "${TRAIN[@]}" "$name" --recipe "$RECIPE" "${COMMON[@]}" --tokenizer-dir kvarn_mla/reference_models/gqa --run-dir "$dir" --monitor-every 100 --save-every 500 \
-        --deadline-minutes "$DEADLINE" --eval-items 0 --eval-retrieval-items "$EVAL_ITEMS" \
-        --eval-contexts 8192,16384,4096,2048 \
+    init=()
+    [ -n "$INIT" ] && init=(--init "$INIT/$name")
+    "${TRAIN[@]}" "$name" --recipe "$RECIPE" "${init[@]}" "${COMMON[@]}" --tokenizer-dir kvarn_mla/reference_models/gqa \
+        --run-dir "$dir" --monitor-every 100 --save-every 500 --deadline-minutes "$DEADLINE" --eval-items 0 --eval-retrieval-items "$EVAL_ITEMS" \
+        --eval-contexts "$CONTEXTS" \
         >"$OUT/train-$name.log" 2>&1 &
     pids+=($!)
 done

@@ -1264,10 +1264,11 @@ def count_params(model: PreTrainedModel) -> dict[str, int]:
 
 
 def initial_weights(init: str | Path) -> dict[str, torch.Tensor]:
-    """Float32 weights to start from: a bundled model name (its checkpoint), a state dict file, or a ``state.pt``
-    (which holds the model under ``"model"``)."""
-    if str(init) in MODEL_NAMES:
-        path = reference_models.path(str(init))
+    """Float32 weights to start from: a bundled model name (its checkpoint), a checkpoint directory (config and
+    safetensors, as ``save_checkpoint`` writes), a state dict file, or a ``state.pt`` (which holds the model under
+    ``"model"``)."""
+    if str(init) in MODEL_NAMES or Path(init).is_dir():
+        path = reference_models.path(str(init)) if str(init) in MODEL_NAMES else Path(init)
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     weights = torch.load(init, weights_only=False)
     return weights.get("model", weights)
