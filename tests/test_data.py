@@ -35,3 +35,16 @@ def test_real_stdlib_has_both_splits():
     assert len(held) > 20
     assert all(D.code_split(f.path) == "held_out" and not f.path.startswith("site-packages") for f in held)
     assert D.corpus_info()["stdlib"] == str(D.stdlib_root())
+
+
+def test_code_root_override_reads_the_copy(tmp_path, monkeypatch):
+    # a run on another machine reads a copied stdlib through KVARN_MLA_CODE_ROOT, and says so in its metrics
+    (tmp_path / "pkg").mkdir()
+    for i in range(60):
+        (tmp_path / "pkg" / f"m{i}.py").write_text(f"x = {i}\n")
+    monkeypatch.setenv(D.CODE_ROOT_ENV, str(tmp_path))
+    assert D.stdlib_root() == tmp_path
+    assert D.read_code_files("train") == D.read_code_files("train", tmp_path)
+    assert D.corpus_info()["code_root_override"] and D.corpus_info()["stdlib"] == str(tmp_path)
+    monkeypatch.delenv(D.CODE_ROOT_ENV)
+    assert D.stdlib_root() != tmp_path and not D.corpus_info()["code_root_override"]

@@ -296,6 +296,38 @@ def test_gated_phase_ends_at_its_monitor_and_resumes_so(tmp_path, monkeypatch):
         tr.main(args("unknown"))
 
 
+def test_deadline_stops_training_and_init_from_a_checkpoint_dir(tmp_path):
+    # --deadline-minutes cuts the run where it stands and still writes and evaluates the checkpoint (the results say
+    # so); --init takes that checkpoint directory and starts from its weights
+    tr = _train_reference()
+    base = ["gqa", "--smoke", "--eval-items", "0", "--eval-contexts", "", "--monitor-every", "0"]
+    cut = tr.main(base + ["--run-dir", str(tmp_path / "cut"), "--deadline-minutes", "0"])
+    assert cut["steps_done"] == 0 and cut["stopped_at_deadline"] and cut["history"] == []
+    assert cut["held_out_code"]["tokens_scored"] > 0 and cut["environment"]["device"] == "cpu"
+    ckpt = tmp_path / "cut" / "model"
+    again = tr.main(base + ["--run-dir", str(tmp_path / "again"), "--init", str(ckpt), "--deadline-minutes", "0"])
+    assert again["held_out_code"]["nll_per_token"] == pytest.approx(cut["held_out_code"]["nll_per_token"], rel=1e-6)
+    full = tr.main(base + ["--run-dir", str(tmp_path / "full"), "--init", str(ckpt), "--eval-code-window", "0"])
+    assert full["steps_done"] == tr.SMOKE.steps and not full["stopped_at_deadline"]
+
+
+def test_v7_gates_are_measured_and_capped():
+    # v7 is v6's shapes and v5's phases; its lookup phases end on monitor keys that train_reference measures
+    tr = _train_reference()
+    assert [p.name for p in tr.V7.phases] == [p.name for p in tr.V5.phases]
+    assert {k: v for k, v in dataclasses.asdict(tr.V7).items() if k != "phases"} == {
+        k: v for k, v in dataclasses.asdict(tr.V6).items() if k != "phases"
+    }
+    gated = {p.name: p.until for p in tr.V7.phases if p.until is not None}
+    assert gated == {
+        "recall4": ("recall_4_key_acc", 0.95),
+        "recall16": ("recall_8_key_acc", 0.95),
+        "main": ("retrieval_4096_tf_all", 1.0),
+    }
+    for new, old in zip(tr.V7.phases, tr.V5.phases):
+        assert new.steps >= old.steps and new.context == old.context and new.mix == old.mix
+
+
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"
