@@ -549,6 +549,34 @@ V7 = replace(
     ),
 )
 
+# A leg for the v7 models (`--init DIR`, a v7 checkpoint): the v7 GQA and MLA retrieve one-fact chains at 8K (0.89 and
+# 0.98 of them) but no chain of two or three facts (0 of 45), where the v7 MHA retrieves 0.92 of those. Teacher-forced
+# on 20 held-out two- and three-fact items at 2K, the GQA's first error is always the restated key after `<|key|>`
+# (the word it has just written as a value, two tokens back: 19 of 20) and the MLA's the first lookup whose value
+# is a word, not digits (it writes a digit: 19 of 20). Held-out-like items (one query, every chain length) at 512 to
+# 1,024 tokens, with reasoning and code rows, until every 1K monitor item is right; the RoPE of v7's later phases.
+HOPS = replace(
+    V7,
+    phases=(
+        Phase(
+            "hops",
+            300,
+            1024,
+            "kkrc",
+            5e-4,
+            5e-5,
+            warmup=10,
+            max_rows=40,
+            retrieval=(512, 1024),
+            weights=(1.0, 0.3, 2.0),
+            queries=1,
+            tokens_per_fact=32,
+            rope_scaling=(32.0, 512),
+            until=("retrieval_1024_tf_all", 1.0),
+        ),
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -578,6 +606,7 @@ RECIPES = {
     "chains": CHAINS,
     "keymatch-mla": KEYMATCH_MLA,
     "v7": V7,
+    "hops": HOPS,
     "smoke": SMOKE,
 }
 
