@@ -440,9 +440,23 @@ def _ship_the_smoke_run(tmp_path, results):
     assert shipped["checkpoint_bytes"] == sum(f.stat().st_size for f in (tmp_path / "pkg" / "mla").iterdir())
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--no-evaluate"]) == 1  # the missing one named
     # a run of a recipe this checkout does not have, or one that stopped early, is refused with the reason
-    for change, reason in (({"recipe": {"phases": []}}, "none of train_reference.py's"), ({"steps_done": 1}, "step 1")):
+    for change, reason in (
+        ({"recipe": {"phases": []}}, "none of train_reference.py's"),
+        ({"steps_done": 1}, "step 1"),
+        ({"stopped_at_deadline": True}, "--deadline-minutes"),
+    ):
         assert any(reason in p for p in ship.problems({**shipped, **change}, tmp_path / "ckpt", smoke=True))
     assert ship.recipe_of({"recipe": dataclasses.asdict(ship.T.LOOKUP)}) == "lookup"
+    # a gated phase that ended early is its recipe's (the steps it ran are the run's); past its cap it is not
+    v7 = ship.T.V7
+    ran = v7.ended_early({"recall4": 100, "main": 600})
+    assert (
+        ship.recipe_of({"recipe": dataclasses.asdict(ran)}) == "v7" and ship._as_run(v7, ship.T.recipe_json(ran)) == ran
+    )
+    over = dataclasses.replace(
+        v7, phases=(*v7.phases[:2], dataclasses.replace(v7.phases[2], steps=5000), *v7.phases[3:])
+    )
+    assert ship.recipe_of({"recipe": dataclasses.asdict(over)}) is None
     assert ship.main(["mla", *where, "--contexts", "320,640,960", "--items", "1"]) == 0  # ... or run on the install
     evaluated = json.loads((tmp_path / "res" / "mla.json").read_text())
     assert [r["context"] for r in evaluated["held_out_retrieval"]] == [320, 640, 960]

@@ -15,6 +15,8 @@ later digits, and the end of text.
     python benchmarks/models/probe_errors.py gqa --context 512 --items 24 --attention   # where the lookup attends
     python benchmarks/models/probe_errors.py gqa --context 512 --items 8 --logits   # how its logits find the fact
     python benchmarks/models/probe_errors.py mha --recall 4 --items 30   # the key match's circuit, on recall documents
+    python benchmarks/models/probe_errors.py gqa --checkpoint benchmarks/models/states/v7-gqa \
+        --tokenizer-dir kvarn_mla/reference_models/gqa --context 2048 --items 40   # a checkpoint directory
 """
 
 from __future__ import annotations
@@ -280,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", choices=("mla", "gqa", "mha"))
     parser.add_argument("--state", type=Path, help="a training state (runs/<name>/state.pt) instead of the checkpoint")
     parser.add_argument(
+        "--checkpoint", type=Path, help="a checkpoint directory (config and safetensors) instead of the bundled one"
+    )
+    parser.add_argument(
         "--tokenizer-dir",
         type=Path,
         help="the run's tokenizer (its --tokenizer-dir; default: the bundled checkpoint's)",
@@ -313,8 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("attention", "logits"):
         if getattr(args, flag) and not args.context:
             parser.error(f"--{flag} probes retrieval items: give --context N (tokens an item) as well")
+    if args.state is not None and args.checkpoint is not None:
+        parser.error("give --state or --checkpoint, not both")
     torch.set_num_threads(2)
-    checkpoint = reference_models.path(args.name)
+    checkpoint = args.checkpoint or reference_models.path(args.name)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or checkpoint)
     if args.state is None:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

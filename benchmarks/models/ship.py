@@ -40,9 +40,28 @@ CONTEXTS = (2048, 4096, 8192, 16384)  # retrieval contexts the results must hold
 
 
 def recipe_of(metrics: dict) -> str | None:
-    """Name of the recipe in ``train_reference.RECIPES`` that the run in ``metrics`` trained on (None: none is)."""
+    """Name of the recipe in ``train_reference.RECIPES`` that the run in ``metrics`` trained on (None: none is). A
+    gated phase (``Phase.until``) that ended early is saved with the steps it ran: it matches its recipe's phase of
+    at least that many steps."""
     saved = json.loads(json.dumps(metrics.get("recipe")))
-    return next((k for k, r in T.RECIPES.items() if saved == T.recipe_json(r)), None)
+    return next((k for k, r in T.RECIPES.items() if saved == T.recipe_json(_as_run(r, saved))), None)
+
+
+def _as_run(recipe: "T.Recipe", saved: object) -> "T.Recipe":
+    """``recipe`` with its gated phases cut to the steps ``saved`` (a recipe as JSON) ran, where that is fewer."""
+    phases = saved.get("phases") if isinstance(saved, dict) else None
+    if not isinstance(phases, list) or len(phases) != len(recipe.phases):
+        return recipe
+    ran = {
+        p.name: q["steps"]
+        for p, q in zip(recipe.phases, phases)
+        if p.until is not None
+        and isinstance(q, dict)
+        and q.get("name") == p.name
+        and isinstance(q.get("steps"), int)
+        and 0 < q["steps"] < p.steps
+    }
+    return recipe.ended_early(ran)
 
 
 def problems(metrics: dict, checkpoint: Path, smoke: bool = False) -> list[str]:
@@ -52,8 +71,11 @@ def problems(metrics: dict, checkpoint: Path, smoke: bool = False) -> list[str]:
     name = recipe_of(metrics)
     if name is None or (name == "smoke") != smoke:
         out.append("the run's recipe is none of train_reference.py's (a checkout other than the one it trained in?)")
-    elif metrics.get("steps_done") != T.RECIPES[name].steps:
-        out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {T.RECIPES[name].steps}")
+    elif metrics.get("steps_done") != _as_run(T.RECIPES[name], metrics["recipe"]).steps:
+        steps = _as_run(T.RECIPES[name], metrics["recipe"]).steps
+        out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {steps}")
+    if metrics.get("stopped_at_deadline"):
+        out.append("the run was stopped at its --deadline-minutes, not at the end of its recipe")
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("dtype") != "bfloat16":
         out.append(f"the checkpoint is {config.get('dtype')}, not bfloat16")
