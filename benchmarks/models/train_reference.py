@@ -177,11 +177,16 @@ def rope_at(r: "Recipe", step: int) -> dict[str, object]:
     }
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s weights (the CPU for a module without any, such as a test's stand-in)."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
 def set_rope(model: PreTrainedModel, rope_parameters: dict[str, object]) -> None:
     """Give ``model`` these RoPE parameters (config and the rotary embedding's frequencies)."""
     if model.config.rope_parameters != rope_parameters:
         model.config.rope_parameters = dict(rope_parameters)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(model.device)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(model_device(model))
 
 
 @dataclass(frozen=True)
@@ -1068,8 +1073,8 @@ def eval_reasoning(
             ids[row, width - len(p) :] = torch.tensor(p)
             att[row, width - len(p) :] = 1
         out = model.generate(
-            input_ids=ids.to(model.device),
-            attention_mask=att.to(model.device),
+            input_ids=ids.to(model_device(model)),
+            attention_mask=att.to(model_device(model)),
             max_new_tokens=min(max(len(t) for _, t in enc) + 8, max_new_tokens or 1 << 30),
             do_sample=False,
             eos_token_id=tok.eos_token_id,
@@ -1104,7 +1109,8 @@ def eval_reasoning(
 @torch.no_grad()
 def target_hits(model: PreTrainedModel, prompt: list[int], target: list[int]) -> list[bool]:
     """For each target token: is it the argmax given the prompt and the reference target before it."""
-    logits = model(input_ids=torch.tensor([prompt + target], device=model.device)).logits[0, len(prompt) - 1 : -1]
+    ids = torch.tensor([prompt + target], device=model_device(model))
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
     return [p == t for p, t in zip(logits.argmax(-1).tolist(), target)]
 
 
@@ -1150,7 +1156,7 @@ def recall_accuracy(model: PreTrainedModel, docs: LookupDocs, facts: int, docume
     rng, hit, total, key_hit, keys = random.Random(f"pilot-probe/{facts}"), 0, 0, 0, 0
     for _ in range(documents):
         ids, mask = docs.recall(rng, facts)
-        pred = model(input_ids=torch.tensor([ids], device=model.device)).logits[0].argmax(-1).tolist()
+        pred = model(input_ids=torch.tensor([ids], device=model_device(model))).logits[0].argmax(-1).tolist()
         for i in range(1, len(ids)):
             if mask[i] and ids[i] in docs.digits:
                 ok = int(pred[i - 1] == ids[i])
@@ -1199,7 +1205,8 @@ def eval_retrieval(
     records = []
     t0 = time.time()
     for it in retrieval.held_out_items(tok, context, seed, count):
-        ids = tok(it.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+        device = model_device(model)
+        ids = tok(it.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -1257,13 +1264,14 @@ def eval_code(model: PreTrainedModel, data: Data, window: int, max_tokens: int |
     if max_tokens is not None:
         n_windows = max(1, min(n_windows, max_tokens // window))
     counts = np.bincount(data.code, minlength=len(tok)).astype(np.float64) + 1.0
+    device = model_device(model)
     log_uni = torch.from_numpy(np.log(counts / counts.sum()))
     nll = uni = 0.0
     scored: list[torch.Tensor] = []
     for w in range(n_windows):
         chunk = stream[w * (window + 1) : (w + 1) * (window + 1)]
-        logits = model(input_ids=chunk[None, :-1].to(model.device)).logits.float()[0]
-        nll += float(F.cross_entropy(logits, chunk[1:].to(model.device), reduction="sum"))
+        logits = model(input_ids=chunk[None, :-1].to(device)).logits.float()[0]
+        nll += float(F.cross_entropy(logits, chunk[1:].to(device), reduction="sum"))
         uni -= float(log_uni[chunk[1:]].sum())
         scored.append(chunk[1:])
     targets = torch.cat(scored)
