@@ -71,8 +71,7 @@ def problems(metrics: dict, checkpoint: Path, smoke: bool = False) -> list[str]:
     name = recipe_of(metrics)
     if name is None or (name == "smoke") != smoke:
         out.append("the run's recipe is none of train_reference.py's (a checkout other than the one it trained in?)")
-    elif metrics.get("steps_done") != _as_run(T.RECIPES[name], metrics["recipe"]).steps:
-        steps = _as_run(T.RECIPES[name], metrics["recipe"]).steps
+    elif metrics.get("steps_done") != (steps := _as_run(T.RECIPES[name], metrics["recipe"]).steps):
         out.append(f"the run stopped at step {metrics.get('steps_done')} of the recipe's {steps}")
     if metrics.get("stopped_at_deadline"):
         out.append("the run was stopped at its --deadline-minutes, not at the end of its recipe")

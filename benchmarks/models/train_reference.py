@@ -1060,6 +1060,7 @@ def eval_reasoning(
     """
     tok = data.tok
     model.eval()
+    device = model_device(model)
     order = sorted(range(len(items)), key=lambda i: items[i].num_rows)  # similar lengths share a batch
     correct = answer_ok = 0
     failures: list[int] = []
@@ -1073,8 +1074,8 @@ def eval_reasoning(
             ids[row, width - len(p) :] = torch.tensor(p)
             att[row, width - len(p) :] = 1
         out = model.generate(
-            input_ids=ids.to(model_device(model)),
-            attention_mask=att.to(model_device(model)),
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
             max_new_tokens=min(max(len(t) for _, t in enc) + 8, max_new_tokens or 1 << 30),
             do_sample=False,
             eos_token_id=tok.eos_token_id,
@@ -1204,8 +1205,8 @@ def eval_retrieval(
     model.eval()
     records = []
     t0 = time.time()
+    device = model_device(model)
     for it in retrieval.held_out_items(tok, context, seed, count):
-        device = model_device(model)
         ids = tok(it.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
         out = model.generate(
             input_ids=ids,
@@ -1304,8 +1305,9 @@ def initial_weights(init: str | Path) -> dict[str, torch.Tensor]:
     """Float32 weights to start from: a bundled model name (its checkpoint), a checkpoint directory (config and
     safetensors, as ``save_checkpoint`` writes), a state dict file, or a ``state.pt`` (which holds the model under
     ``"model"``)."""
-    if str(init) in MODEL_NAMES or Path(init).is_dir():
-        path = reference_models.path(str(init)) if str(init) in MODEL_NAMES else Path(init)
+    bundled = str(init) in MODEL_NAMES
+    if bundled or Path(init).is_dir():
+        path = reference_models.path(str(init)) if bundled else Path(init)
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     weights = torch.load(init, weights_only=False)
     return weights.get("model", weights)

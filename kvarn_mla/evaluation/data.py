@@ -100,5 +100,5 @@ def corpus_info() -> dict[str, object]:
     return {
         "python": sys.version.split()[0],
         "stdlib": str(stdlib_root()),
-        "code_root_override": CODE_ROOT_ENV in os.environ,
+        "code_root_override": bool(os.environ.get(CODE_ROOT_ENV)),  # set and not empty, as stdlib_root reads it
     }
