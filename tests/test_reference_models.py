@@ -328,6 +328,16 @@ def test_v7_gates_are_measured_and_capped():
         assert new.steps >= old.steps and new.context == old.context and new.mix == old.mix
 
 
+def test_v8_is_v7_with_v5s_recall16():
+    # the A/B of the next GPU run: v8 changes one phase of v7, v8-main450 one more
+    tr = _train_reference()
+    changed = [n.name for n, o in zip(tr.V8.phases, tr.V7.phases) if n != o]
+    assert changed == ["recall16"] and tr.V8.phases[3] == tr.V5.phases[3] and tr.V8.phases[3].until is None
+    changed = [(n.name, n.steps) for n, o in zip(tr.V8_MAIN450.phases, tr.V8.phases) if n != o]
+    assert changed == [("main", tr.V5.phases[5].steps)]
+    assert tr.RECIPES["v8"] is tr.V8 and tr.RECIPES["v8-main450"] is tr.V8_MAIN450
+
+
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"
