@@ -12,6 +12,7 @@ legacy records written before records named their configuration: move those away
     python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
     python benchmarks/accuracy.py --models mla --suites accumulation-reasoning,reasoning --items 20 --bits 2,4
     python benchmarks/accuracy.py --suites retrieval-2048,retrieval-8192,reasoning-tf --long-items 200   # v2 models
+    python benchmarks/accuracy.py --out A --merge-from B --no-run   # gather a grid run as two processes (--out A, B)
 """
 
 from __future__ import annotations
@@ -155,7 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
     parser.add_argument("--long-summary", action="store_true",
                         help="only print the README's long-chain reasoning and 16K accumulation tables")
+    parser.add_argument("--merge-from", type=Path, metavar="DIR",
+                        help="first append DIR's records that OUT lacks (a grid split over processes, one --out each)")
     args = parser.parse_args(argv)
+    if args.merge_from:
+        from kvarn_mla.evaluation.runner import merge_records
+
+        for source in sorted(args.merge_from.glob("*.jsonl")):
+            try:
+                added, shared = merge_records(args.out / source.name, source)
+            except ValueError as error:
+                print(f"accuracy.py: error: {error}", file=sys.stderr)
+                return 2
+            print(f"{source.name}: {added} records added, {shared} already there and equal")
     if args.goals:
         print(goals_table(args.out, [m.partition("=")[0] for m in args.models.split(",")]))
         return 0

@@ -282,6 +282,32 @@ def test_resume_refuses_records_of_another_configuration(tmp_path, monkeypatch):
     assert (tmp_path / "run.jsonl").read_text() == records.replace('"method_spec": "', '"method_spec": "0')
 
 
+def test_a_grid_split_over_processes_merges_into_one_run(tmp_path):
+    # two --out directories with the reference in both (each process scores it) gather into what one run writes
+    model, tokenizer = build_model("qwen3"), char_tokenizer()
+    split = {"a": "k4v2+tile_size=64", "b": "kivi-2"}
+    for name, method in split.items():
+        runner.run(model, tokenizer, parse_methods(method), "jsonl", tmp_path / name / "run.json", items=_items(3),
+                   batch_size=1)
+    into, source = tmp_path / "a" / "run.jsonl", tmp_path / "b" / "run.jsonl"
+    assert runner.merge_records(into, source) == (3, 3)  # kivi-2 added; the fp32 records agree
+    assert runner.merge_records(into, source) == (0, 6)  # merging again adds nothing
+    both = parse_methods(",".join(split.values()))
+    summary = runner.run(model, tokenizer, both, "jsonl", tmp_path / "a" / "run.json", items=_items(3), batch_size=1,
+                         compute=False)
+    assert {m: row["n"] for m, row in summary["methods"].items()} == {"fp32": 3, **{m: 3 for m in split.values()}}
+    before = into.read_text()
+    record = json.loads(source.read_text().splitlines()[0])
+    (tmp_path / "odd.jsonl").write_text(json.dumps({**record, "exact": not record["exact"]}) + "\n")
+    with pytest.raises(ValueError, match=f"{record['method']} on {record['key']} differs .* in exact"):
+        runner.merge_records(into, tmp_path / "odd.jsonl")
+    other = {**record, "run": {**record["run"], "settings": {**record["run"]["settings"], "batch_size": 2}}}
+    (tmp_path / "other.jsonl").write_text(json.dumps(other) + "\n")
+    with pytest.raises(ValueError, match="different configurations: settings.batch_size: 1 -> 2"):
+        runner.merge_records(into, tmp_path / "other.jsonl")
+    assert into.read_text() == before  # a refused merge writes nothing
+
+
 def test_legacy_records_summarize_but_are_never_resumed(tmp_path):
     from pathlib import Path
 

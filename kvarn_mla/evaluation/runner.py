@@ -201,6 +201,49 @@ class ResultLog:
         return [r for (name, key), r in self.records.items() if name == method.name and (keys is None or key in keys)]
 
 
+def merge_records(into: Path, source: Path) -> tuple[int, int]:
+    """Append to ``into`` the records of ``source`` it lacks: one grid run as several processes (one a core, each
+    with its own ``--out``), gathered into one file. Both must hold records of one configuration (the model's
+    weights and the suite's settings; `config_differences`).
+
+    Returns:
+        ``(added, shared)``: records appended, and records both files held (each must agree field by field but
+        its ``run.model.name``: the same method on the same item and weights gives the same verdict).
+
+    Raises:
+        ValueError: the files are of different configurations, or a shared record differs (the message names it).
+    """
+    def read(path: Path) -> dict[tuple[str, str], dict]:
+        records = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                if "run" not in record:
+                    raise ValueError(f"{path} holds legacy records (no run configuration): they cannot be merged")
+                records[(record["method"], record["key"])] = record
+        return records
+
+    ours, theirs = (read(into) if into.exists() else {}), read(source)
+    configs = [r["run"] for r in (*ours.values(), *theirs.values())]
+    for config in configs[1:]:
+        if differences := config_differences(configs[0], config):
+            raise ValueError(f"{source} and {into} hold results of different configurations: {'; '.join(differences)}")
+    added, shared = [], 0
+    for key, record in theirs.items():
+        if key not in ours:
+            added.append(record)
+            continue
+        shared += 1
+        mine = ours[key]
+        fields = sorted(k for k in mine.keys() | record.keys() if k != "run" and mine.get(k) != record.get(k))
+        if fields:
+            raise ValueError(f"{key[0]} on {key[1]} differs between {source} and {into} in {', '.join(fields)}")
+    if added:
+        with into.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in added)
+    return len(added), shared
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a bundled reference model name (``mla``, ``gqa``, ``mha``), a local directory, or
     a hub name already in the local cache (no downloads)."""
