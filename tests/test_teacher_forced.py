@@ -151,3 +151,35 @@ def test_shared_prefill_equals_separate_prefills(name):
             assert grid[(method.name, record["id"])] == record, (method.name, record["id"])
     skipped = list(teacher_forced_grid(model, tokenizer, items[:1], methods, skip=lambda m, it: m.kind != "kvarn"))
     assert {m.name for m, _ in skipped} == {m.name for m in methods if m.kind == "kvarn"}
+
+
+@pytest.mark.parametrize("shares", [True, False])
+def test_kvarn_methods_replay_the_references_prefill_once_it_is_shown_equal(shares, monkeypatch):
+    """The grid records the reference's prefill; once one item shows it bit-equal to a KVarN prefill, later items
+    prefill once (the reference), not twice; where it differs (simulated), each item's first KVarN method prefills.
+    The records are the same either way."""
+    from kvarn_mla.evaluation import tasks
+
+    model, tokenizer = reference_models.load("gqa", dtype=torch.float32)
+    items = contextual_items(tokenizer, reasoning.task_of(model.config), 3)
+    methods = [parse_method(m) for m in ["fp32", *SHARED[:3]]]
+    checks, recorded = [], []
+    same_prefill, record_updates = tasks._same_prefill, tasks._record_updates
+
+    def checked(a, b):
+        checks.append(same_prefill(a, b))
+        return shares and checks[-1]
+
+    def counted(cache):
+        recorded.append(type(cache).__name__)
+        return record_updates(cache)
+
+    monkeypatch.setattr(tasks, "_same_prefill", checked)
+    monkeypatch.setattr(tasks, "_record_updates", counted)
+    grid = {(m.name, r["id"]): r for m, r in teacher_forced_grid(model, tokenizer, items, methods)}
+    assert checks == [True]  # checked once, on the first item: the unpatched and the patched prefill agree
+    kvarn_prefills = recorded.count("KVarNCache")
+    assert recorded.count("DynamicCache") == len(items) and kvarn_prefills == (1 if shares else len(items))
+    for method in methods:
+        for record in teacher_forced_items(model, tokenizer, items, method):
+            assert grid[(method.name, record["id"])] == record, (method.name, record["id"])

@@ -195,41 +195,60 @@ def teacher_forced_grid(
     """`teacher_forced_items` for every method on every item (item by item), with one prefill per item shared by
     the KVarN methods: yields ``(method, record)`` for each pair that ``skip`` does not exclude.
 
-    A patched prefill attends the prompt in full precision and quantizes its full tiles only after the pass, so
-    every layer is given the same states whatever the KVarN config. The first KVarN method of an item prefills and
-    records what each layer was given; every other KVarN method replays those states into its own cache and
-    quantizes them as its patched prefill would (`tests/test_teacher_forced.py` checks caches and records equal
-    those of separate prefills). On a long prompt with a short target this is one prefill instead of one per
-    method. Other methods (the reference, transformers' caches) and caches with layers other than `KVarNLayer`
-    (DSA's indexer keys, sliding windows) prefill on their own.
+    A patched prefill attends the prompt in full precision, exactly as the unpatched model does, and quantizes its
+    full tiles only after the pass, so every layer is given the same states whatever the KVarN config. The first
+    KVarN method of an item prefills and records what each layer was given; every other KVarN method replays those
+    states into its own cache and quantizes them as its patched prefill would (`tests/test_teacher_forced.py` checks
+    caches and records equal those of separate prefills). The reference's prefill records its states too: on the
+    first item where both ran, if they equal the KVarN prefill's (states and first prediction, bit for bit), every
+    later item's KVarN methods replay the reference's and the item costs one prefill, not two. On a long prompt with
+    a short target that is most of an item's time. Other methods (transformers' caches) and caches with layers other
+    than `KVarNLayer` (DSA's indexer keys, sliding windows) prefill on their own.
     """
+    reference_shares = None  # whether the reference's prefill gives the KVarN layers their own prefill's states
     for item in items:
         todo = [m for m in methods if not skip(m, item)]
         if not todo:
             continue
         prompt, ids = _item_ids(model, tokenizer, item)
-        shared = None  # (first prediction, each layer's recorded states) of this item's first KVarN prefill
+        reference = None  # (first prediction, each layer's recorded states) of this item's reference prefill
+        shared = None  # the same, of the prefill the item's KVarN methods replay
         for method in todo:
             with method.applied(model):
                 cache = method.new_cache(model)
                 replayable = method.kind == "kvarn" and all(type(layer) is KVarNLayer for layer in cache.layers)
-                if not replayable:
-                    first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
-                elif shared is None:
+                replay = shared if shared is not None else reference if reference_shares else None
+                if method.kind == "reference" or (replayable and replay is None):
                     states = _record_updates(cache)
                     try:
                         first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
                     finally:
                         for layer in cache.layers:
                             del layer.update  # the recording wrapper (an instance attribute)
-                    shared = first, states
+                    if method.kind == "reference":
+                        reference = first, states
+                    else:
+                        shared = first, states
+                        if reference is not None and reference_shares is None:
+                            reference_shares = _same_prefill(reference, shared)
+                elif not replayable:
+                    first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1:].argmax(-1)
                 else:
-                    first, states = shared
+                    shared = replay
+                    first, states = replay
                     for layer, calls in zip(cache.layers, states):
                         for key_states, value_states in calls:
                             layer.update(key_states, value_states)
                     cache.flush()
                 yield method, _score_target(model, method, cache, item, ids, prompt.shape[1], first)
+
+
+def _same_prefill(a: tuple, b: tuple) -> bool:
+    """Whether two recorded prefills (first prediction, per-layer states) are bit-equal."""
+    (first_a, states_a), (first_b, states_b) = a, b
+    calls_a, calls_b = [c for layer in states_a for c in layer], [c for layer in states_b for c in layer]
+    return (torch.equal(first_a, first_b) and [len(x) for x in states_a] == [len(x) for x in states_b]
+            and all(torch.equal(x, y) for ca, cb in zip(calls_a, calls_b) for x, y in zip(ca, cb)))
 
 
 def _record_updates(cache) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
