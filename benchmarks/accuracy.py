@@ -12,7 +12,8 @@ legacy records written before records named their configuration: move those away
     python benchmarks/accuracy.py                      # everything (hours on 2 CPU cores)
     python benchmarks/accuracy.py --models mla --suites accumulation-reasoning,reasoning --items 20 --bits 2,4
     python benchmarks/accuracy.py --suites retrieval-2048,retrieval-8192,reasoning-tf --long-items 200   # v2 models
-    python benchmarks/accuracy.py --out A --merge-from B --no-run   # gather a grid run as two processes (--out A, B)
+    python benchmarks/accuracy.py --suites retrieval-8192 --out B --long-slice 100:200   # a second core's half
+    python benchmarks/accuracy.py --suites retrieval-8192 --out A --merge-from B --no-run   # gather it into A
 """
 
 from __future__ import annotations
@@ -137,6 +138,14 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     return "\n".join(lines)
 
 
+def _item_slice(text: str) -> slice:
+    """``START:STOP`` (either may be left out) as a slice of item indices."""
+    start, colon, stop = text.partition(":")
+    if not colon or not all(part.isdigit() for part in (start, stop) if part):
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP with non-negative integers (e.g. 0:100 or 100:)")
+    return slice(int(start) if start else None, int(stop) if stop else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mla,gqa,mha",
@@ -156,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")
     parser.add_argument("--long-summary", action="store_true",
                         help="only print the README's long-chain reasoning and 16K accumulation tables")
+    parser.add_argument("--long-slice", metavar="START:STOP", type=_item_slice,
+                        help="score only these of the long suites' items (split a grid over processes, one --out each)")
     parser.add_argument("--merge-from", type=Path, metavar="DIR",
                         help="first append DIR's records that OUT lacks (a grid split over processes, one --out each)")
     args = parser.parse_args(argv)
@@ -184,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         suites=args.suites.split(","), batch_size=args.batch_size,
                         bits=tuple(int(b) for b in args.bits.split(",")), compute=not args.no_run,
                         families=tuple(args.families.split(",")) if args.families else None,
-                        long_items=args.long_items)
+                        long_items=args.long_items,
+                        long_slice=args.long_slice)
     except ValueError as error:  # records of another configuration, an unknown suite
         print(f"accuracy.py: error: {error}", file=sys.stderr)
         return 2

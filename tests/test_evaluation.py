@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, load_benchmark
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
@@ -507,3 +507,23 @@ def test_sweep_files_a_checkpoint_directory_under_its_family_name(tmp_path):
     assert list(results["gqa"]["accumulation"]["methods"]) == ["kvarn-2"]
     record = json.loads((tmp_path / "out" / "gqa-accumulation.jsonl").read_text().splitlines()[0])
     assert record["run"]["model"]["digest"] == runner.model_identity(model)["digest"]
+
+
+def test_a_long_grid_sliced_over_two_processes_gathers_into_one(tmp_path, capsys):
+    """accuracy.py --long-slice scores part of a long suite's items into its own --out; --merge-from gathers the
+    parts, and the summary rebuilt from them counts every item once."""
+    accuracy = load_benchmark("accuracy")
+    common = ["--models", "gqa", "--suites", "retrieval-2048", "--long-items", "3", "--bits", "2", "--families",
+              "kvarn-2", "--threads", "1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert accuracy.main([*common, "--out", str(a), "--long-slice", ":2"]) == 0
+    assert accuracy.main([*common, "--out", str(b), "--long-slice", "2:"]) == 0
+    ids = lambda d: {json.loads(line)["id"][-2:] for line in (d / "gqa-retrieval-2048.jsonl").read_text().splitlines()}  # noqa: E731
+    assert ids(a) == {"-0", "-1"} and ids(b) == {"-2"}
+    assert accuracy.main([*common, "--out", str(a), "--merge-from", str(b), "--no-run"]) == 0
+    assert "gqa-retrieval-2048.jsonl: 2 records added, 0 already there and equal" in capsys.readouterr().out
+    summary = json.loads((a / "gqa-retrieval-2048.json").read_text())
+    assert {m: row["n"] for m, row in summary["methods"].items()} == {"fp32": 3, "kvarn-2": 3}
+    with pytest.raises(SystemExit):
+        accuracy.main([*common, "--out", str(a), "--long-slice", "two"])
+    assert "'two' is not START:STOP" in capsys.readouterr().err

@@ -83,7 +83,8 @@ def select(names: list[str], families: tuple[str, ...] | None) -> list[str]:
 
 
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
-          bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None, long_items: int = 200) -> dict:
+          bits=BITS, compute: bool = True, families: tuple[str, ...] | None = None, long_items: int = 200,
+          long_slice: slice | None = None) -> dict:
     """Run the sweep (resumable) and return ``{model: {suite: summary}}``.
 
     ``models`` are bundled names (``mla``, ``gqa``, ``mha``) or ``name=DIR`` for a checkpoint directory of that
@@ -94,7 +95,9 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
     with one of them (``("hf-",)``: transformers' caches only), so two processes can share a model's sweep; the
     16-bit reference always runs. ``compute=False`` only rewrites the summaries from the records there (the
     tables of a run that was stopped). ``long_items``: items of each retrieval context and of ``reasoning-tf``
-    (200: a 10-point paired difference is then usually significant, 100 often is not).
+    (200: a 10-point paired difference is then usually significant, 100 often is not). ``long_slice``: score
+    only these of them (one grid over several processes, each with its own ``out``, gathered by
+    `runner.merge_records`; item ids do not depend on the slice).
     """
     out.mkdir(parents=True, exist_ok=True)
     baselines, missing = transformers_baselines(bits)
@@ -140,5 +143,7 @@ def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUIT
             for lazy in ("items", "text_ids"):  # made only for the suites that run (long retrieval items take time)
                 if callable(settings.get(lazy)):
                     settings[lazy] = settings[lazy]()
+            if long_slice is not None and settings.get("mode") == "teacher-forced":
+                settings["items"] = settings["items"][long_slice]
             results[name][suite] = run(model, tokenizer, out=out / f"{name}-{suite}.json", compute=compute, **settings)
     return results
