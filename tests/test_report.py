@@ -253,3 +253,29 @@ def test_long_summary_pairs_lengths_and_quarters(tmp_path):
     assert "| < 500 | 2 | 2 | 2 | 2 |" in text and "| 1,500-1,999 | 10 | 10 | 10 | 0 |" in text
     assert "| ≥ 2,000 | 8 | 4 | 3 | 0 |" in text
     assert "| kvarn-4 | 0.1000 | 0.2000 | 0.3000 | 0.4000 | 0.2000 | 0.900 |" in text
+
+
+def test_retrieval_by_chain_splits_items_by_the_queried_chain(tmp_path):
+    """retrieval_by_chain.py rebuilds each recorded item from its seed and context and files it under its queried
+    chain's length; the paired column counts one-fact items only; a method missing items is named, not tabled."""
+    from kvarn_mla import reference_models
+    from kvarn_mla.evaluation import retrieval
+
+    by_chain = load_benchmark("retrieval_by_chain")
+    tokenizer = reference_models.load("gqa")[1]
+    seed, context = 20_261_130, 1024
+    items = [retrieval.make_item(tokenizer, context, seed, i) for i in range(12)]
+    lengths = [len(item.chains[0]) for item in items]
+    assert 1 in lengths and max(lengths) > 1  # both kinds among 12 items
+    run = {"settings": {"seed": seed, "context": context}}
+    rows = [("fp32", i, True) for i in range(12)] + [("kvarn-2", i, lengths[i] > 1) for i in range(12)]
+    rows += [("rot-2", 0, True)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({"method": m, "key": f"retrieval-{context}-{seed}-{i}", "exact": ok,
+                                        "run": run}) + "\n" for m, i, ok in rows))
+    found = by_chain.chain_lengths(tokenizer, path)
+    assert [found[f"retrieval-{context}-{seed}-{i}"] for i in range(12)] == lengths
+    text = "\n".join(by_chain.table(by_chain.load_verdicts(path), found))
+    ones = lengths.count(1)
+    assert f"| 1 fact (n={ones}) |" in text and "| kvarn-2 | 0 (" in text
+    assert f"| 0 / {ones}, p = " in text and "Left out (not scored on every item of fp32): rot-2." in text
