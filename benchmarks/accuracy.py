@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvarn_mla.evaluation.sweep import SUITES, sweep
+from kvarn_mla.evaluation.sweep import CONTEXTS, SUITES, sweep
 from kvarn_mla.report import build_report
 
 HERE = Path(__file__).resolve().parent
@@ -77,7 +77,8 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
     """The long-context tables of benchmarks/README.md, from the records and summaries (``--long-summary``):
     ``reasoning-tf`` right of N (Wilson 95%) and paired against 16-bit, ``kvarn-B`` and ``rot-B`` for the models
     side by side; right per scratchpad-length bin; ``accumulation-long`` and ``accumulation-retrieval`` mean KL per
-    quarter of the text (and the static cache's last quarter)."""
+    quarter of the text (and the static cache's last quarter); each retrieval context's right of N, bytes per token
+    and paired cells."""
     from kvarn_mla.evaluation.checkers import wilson_interval
     from kvarn_mla.evaluation.paired import load_verdicts, paired_rows
     from kvarn_mla.report.long_context import length_verdicts, partner_comparisons, reference_of
@@ -119,6 +120,25 @@ def long_summary(accuracy: Path, models=("mha", "gqa", "mla")) -> str:
                       for label, by_method in zip(labels, bins.values())]
             if len(methods) < len(every):
                 lines += ["", "Right on no item: " + ", ".join(m for m in every if m not in methods) + "."]
+    for model, context in ((m, n) for m in models for n in CONTEXTS):
+        path = accuracy / f"{model}-retrieval-{context}.jsonl"
+        if not path.exists():
+            continue
+        verdicts = load_verdicts(path)
+        reference = reference_of(verdicts)
+        summary = path.with_suffix(".json")
+        sizes = json.loads(summary.read_text())["methods"] if summary.exists() else {}
+        lines += ["", f"{model.upper()}, retrieval at {context:,} tokens: right of n (Wilson 95%) and paired (items "
+                  "right only with the method minus only with the partner, on the items both have; exact McNemar p, "
+                  "left out below 1e-4; bold below 0.05):", "",
+                  "| method | bytes/token @4K | right of n | vs 16-bit | vs kvarn-B | vs rot-B |",
+                  "|---|---|---|---|---|---|"]
+        for row in paired_rows(verdicts, also=(reference,)):
+            size = sizes.get(row.method, {}).get("bytes_per_token_4k")
+            size_cell = "-" if size is None else f"{size:,.0f}"
+            cells = [""] * 3 if row.method == reference else map(_paired_cell, partner_comparisons(row, reference))
+            lines.append(f"| {row.method} | {size_cell} | {right(verdicts[row.method])} of {row.n} | "
+                         + " | ".join(cells) + " |")
     for model, suite in ((m, s) for m in models for s in ("accumulation-long", "accumulation-retrieval")):
         path = accuracy / f"{model}-{suite}.json"
         if not path.exists():

@@ -253,6 +253,13 @@ def test_long_summary_pairs_lengths_and_quarters(tmp_path):
     assert "| < 500 | 2 | 2 | 2 | 2 |" in text and "| 1,500-1,999 | 10 | 10 | 10 | 0 |" in text
     assert "| ≥ 2,000 | 8 | 4 | 3 | 0 |" in text
     assert "| kvarn-4 | 0.1000 | 0.2000 | 0.3000 | 0.4000 | 0.2000 | 0.900 |" in text
+    write_verdicts(tmp_path / "gqa-retrieval-8192.jsonl", {"fp32": ok(30), "kvarn-2": ok(10), "rot-2": ok(25)})
+    (tmp_path / "gqa-retrieval-8192.json").write_text(json.dumps({"methods": {
+        "fp32": {"bytes_per_token_4k": 1024.0}, "kvarn-2": {"bytes_per_token_4k": 214.0}}}))
+    text = accuracy.long_summary(tmp_path, ("gqa",))
+    assert "GQA, retrieval at 8,192 tokens" in text and "| fp32 | 1,024 | 30 (60%-86%) of 40 |  |  |  |" in text
+    assert "| kvarn-2 | 214 | 10 (14%-40%) of 40 | **-20** |  | **-15** |" in text  # p < 1e-4: left out
+    assert "| rot-2 | - | 25 (" in text  # no summary row: bytes unknown
 
 
 def test_retrieval_by_chain_splits_items_by_the_queried_chain(tmp_path):
