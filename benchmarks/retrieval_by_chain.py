@@ -24,9 +24,9 @@ from kvarn_mla.reference_models import path as model_dir
 
 def chain_lengths(tokenizer, records: Path) -> dict[str, int]:
     """``{item key: facts in its queried chain}`` for every item of a retrieval records file (one query an item)."""
-    first = json.loads(records.read_text().splitlines()[0])
-    seed, context = first["run"]["settings"]["seed"], first["run"]["settings"]["context"]
-    keys = {json.loads(line)["key"] for line in records.read_text().splitlines() if line.strip()}
+    lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    seed, context = lines[0]["run"]["settings"]["seed"], lines[0]["run"]["settings"]["context"]
+    keys = {record["key"] for record in lines}
     out = {}
     for key in sorted(keys):
         index = int(key.rsplit("-", 1)[1])

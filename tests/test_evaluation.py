@@ -306,6 +306,10 @@ def test_a_grid_split_over_processes_merges_into_one_run(tmp_path):
     with pytest.raises(ValueError, match="different configurations: settings.batch_size: 1 -> 2"):
         runner.merge_records(into, tmp_path / "other.jsonl")
     assert into.read_text() == before  # a refused merge writes nothing
+    with into.open("a") as f:
+        f.write('{"suite": "jsonl", "method": "kiv')  # a record cut short by an interruption
+    assert runner.merge_records(into, source) == (0, 6)  # skipped, as resuming skips it
+    assert into.read_text() == before + '{"suite": "jsonl", "method": "kiv\n'  # the next append starts a fresh line
 
 
 def test_legacy_records_summarize_but_are_never_resumed(tmp_path):

@@ -109,6 +109,26 @@ def config_differences(recorded: dict, current: dict) -> list[str]:
             if key != "model.name" and old.get(key) != new.get(key)]
 
 
+def read_records(path: Path) -> list[dict]:
+    """The whole records of a ``.jsonl`` file (none if it does not exist). A line cut short by an interruption is
+    skipped (its unit is redone), and a file that ends mid-line is given a newline, so the next record appended
+    starts on a line of its own."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        with path.open("a") as f:
+            f.write("\n")
+    records = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 class ResultLog:
     """Append-only JSONL of the finished records of one run configuration, keyed by ``(method, key)``.
 
@@ -127,24 +147,13 @@ class ResultLog:
         self.path, self.config, self.legacy = path, config, False
         self.records: dict[tuple[str, str], dict] = {}
         current, legacy = [], []
-        if path.exists():
-            text = path.read_text()
-            if text and not text.endswith("\n"):  # a record cut short: start the next one on a fresh line
-                with path.open("a") as f:
-                    f.write("\n")
-            for line in text.splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by an interruption: redo that unit
-                    continue
-                if "run" not in record:
-                    legacy.append(record)
-                elif config_differences(record["run"], config):
-                    raise ValueError(self._foreign(record["run"]))
-                else:
-                    current.append(record)
+        for record in read_records(path):
+            if "run" not in record:
+                legacy.append(record)
+            elif config_differences(record["run"], config):
+                raise ValueError(self._foreign(record["run"]))
+            else:
+                current.append(record)
         if legacy and (compute or current):
             raise ValueError(
                 f"{path} holds {len(legacy)} legacy records (written before records named their model and settings), "
@@ -214,16 +223,12 @@ def merge_records(into: Path, source: Path) -> tuple[int, int]:
         ValueError: the files are of different configurations, or a shared record differs (the message names it).
     """
     def read(path: Path) -> dict[tuple[str, str], dict]:
-        records = {}
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                if "run" not in record:
-                    raise ValueError(f"{path} holds legacy records (no run configuration): they cannot be merged")
-                records[(record["method"], record["key"])] = record
-        return records
+        records = read_records(path)
+        if any("run" not in record for record in records):
+            raise ValueError(f"{path} holds legacy records (no run configuration): they cannot be merged")
+        return {(record["method"], record["key"]): record for record in records}
 
-    ours, theirs = (read(into) if into.exists() else {}), read(source)
+    ours, theirs = read(into), read(source)
     configs = [r["run"] for r in (*ours.values(), *theirs.values())]
     for config in configs[1:]:
         if differences := config_differences(configs[0], config):
