@@ -11,7 +11,6 @@ method, right of n (Wilson 95%) per chain length, and paired against 16-bit on t
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -19,12 +18,13 @@ from transformers import AutoTokenizer
 from kvarn_mla.evaluation import retrieval
 from kvarn_mla.evaluation.checkers import mcnemar_exact, wilson_interval
 from kvarn_mla.evaluation.paired import load_verdicts
+from kvarn_mla.evaluation.runner import read_records
 from kvarn_mla.reference_models import path as model_dir
 
 
 def chain_lengths(tokenizer, records: Path) -> dict[str, int]:
     """``{item key: facts in its queried chain}`` for every item of a retrieval records file (one query an item)."""
-    lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    lines = read_records(records)
     seed, context = lines[0]["run"]["settings"]["seed"], lines[0]["run"]["settings"]["context"]
     keys = {record["key"] for record in lines}
     out = {}
