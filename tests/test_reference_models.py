@@ -338,6 +338,80 @@ def test_v8_is_v7_with_v5s_recall16():
     assert tr.RECIPES["v8"] is tr.V8 and tr.RECIPES["v8-main450"] is tr.V8_MAIN450
 
 
+def test_chain_recall_documents_link_word_values_to_the_next_key():
+    # word_values: a fact's value is the next fact's key word, a chain ends on a training number, the target writes
+    # each queried chain hop by hop (the retrieval task's answer); without it no value is a word.
+    import random
+
+    from kvarn_mla.evaluation import retrieval
+
+    tr = _train_reference()
+    docs = tr.LookupDocs(AutoTokenizer.from_pretrained(reference_models.path("gqa")), max_facts=8)
+    rng, word_hops, number_hops = random.Random(0), 0, 0
+    for _ in range(50):
+        ids, mask = docs.recall(rng, 8, word_values=0.5)
+        prompt, target = ids[: mask.index(1)], ids[mask.index(1) :]
+        assert set(mask[len(prompt) :]) == {1} and target[-1] == docs.eos
+        facts = {}  # key word -> value tokens, as the prompt defines them
+        for at in (i for i, t in enumerate(prompt) if t == docs.key):
+            end = next((j for j in range(at + 1, len(prompt)) if prompt[j] in (docs.key, docs.query)), len(prompt))
+            assert prompt[at + 2] == docs.value and prompt[at + 1] not in facts
+            facts[prompt[at + 1]] = prompt[at + 3 : end]
+        assert len(facts) == 8
+        heads = prompt[prompt.index(docs.query) + 1 : prompt.index(docs.answer)]
+        written = []
+        for head in heads:
+            key = head
+            for _ in range(retrieval.MAX_HOPS):
+                value = facts[key]
+                if len(value) == 1:  # a word: the next key of the chain
+                    assert value[0] in facts and value[0] in docs.words
+                    written, key, word_hops = written + docs.fact(key, value[0]), value[0], word_hops + 1
+                    continue
+                number = "".join(str(docs.digits.index(d)) for d in value)
+                assert len(number) == retrieval.VALUE_DIGITS and retrieval.value_split(number) == "train"
+                written, number_hops = written + docs.fact(key, number), number_hops + 1
+                break
+            else:
+                raise AssertionError(f"a chain from {head} is longer than {retrieval.MAX_HOPS} facts")
+        assert written + [docs.eos] == target
+    assert word_hops > 50 and number_hops > 50
+    plain, _ = docs.recall(random.Random(0), 8)
+    assert all(plain[i + 1] in docs.digits for i, t in enumerate(plain) if t == docs.value)
+
+
+def test_chain_probe_tells_word_lookups_from_number_lookups():
+    # A model that writes every token but a word value (the v7 MLA's one miss) reads 0 on words and 1 on numbers.
+    tr = _train_reference()
+    docs = tr.LookupDocs(AutoTokenizer.from_pretrained(reference_models.path("gqa")), max_facts=8)
+    words = torch.tensor(docs.words)
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, miss_words: bool) -> None:
+            super().__init__()
+            self.miss_words = miss_words
+
+        def forward(self, input_ids):
+            ids = input_ids[0]
+            nxt = torch.cat([ids[1:], ids[:1]])
+            word_next = torch.cat([ids[:-1] == docs.value, torch.tensor([False])]) & torch.isin(nxt, words)
+            nxt = torch.where(word_next & self.miss_words, docs.digits[0], nxt)
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 4096).float()[None]})()
+
+    assert tr.chain_accuracy(Oracle(False), docs, 8, documents=5) == {"word_acc": 1.0, "number_acc": 1.0}
+    assert tr.chain_accuracy(Oracle(True), docs, 8, documents=5) == {"word_acc": 0.0, "number_acc": 1.0}
+
+
+def test_words_leg_trains_chain_recall_until_word_lookups_form():
+    # the v7 MLA's leg: chain recall rows gated on the chain probe, then v7's later phases with chain rows
+    tr = _train_reference()
+    words, main, long4k, anneal = tr.WORDS.phases
+    assert words.until == ("chain_8_word_acc", 0.95) and words.word_values > 0 and "a" in words.mix
+    assert main.word_values > 0 and "a" in main.mix and main.until == tr.V7.phases[5].until
+    assert (long4k.name, anneal.name) == ("long4k", "anneal") and tr.RECIPES["words"] is tr.WORDS
+    assert all(p.word_values == 0 for recipe in (tr.V7, tr.V8) for p in recipe.phases)
+
+
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
     results = tmp_path / "mla.json"

@@ -125,6 +125,8 @@ class Phase:
             slows those beyond ``original_context`` ``factor`` times and blends between; short-range position
             heads (the reasoning lookup) keep their angles while the slow pairs stop turning over long distances.
         facts: most facts in a recall document (``a`` rows), drawn uniformly from 1.
+        word_values: chain recall documents (``a`` rows): the chance that a fact's value is the next fact's key
+            (:meth:`LookupDocs.recall`; 0: numbers only, as every recipe before v9).
         until: ``(monitor key, threshold)``: ``steps`` is then a cap and the phase ends at the first monitor point in
             it whose record has ``key >= threshold`` (the v5 lookup phases ended by count, MHA's before its lookup
             had formed). The steps a gated phase ran are kept in the training state, so a resumed run has them too.
@@ -146,6 +148,7 @@ class Phase:
     tokens_per_fact: int = _HELD_OUT_DENSITY[2]
     rope_theta: float | None = None
     facts: int = 16
+    word_values: float = 0.0
     rope_scaling: tuple[float, int] | None = None
     until: tuple[str, float] | None = None
 
@@ -591,6 +594,32 @@ HOPS = replace(
 V8 = replace(V7, phases=(*V7.phases[:3], V5.phases[3], *V7.phases[4:]))
 V8_MAIN450 = replace(V8, phases=(*V8.phases[:5], replace(V8.phases[5], steps=450), *V8.phases[6:]))
 
+# A leg for the v7 MLA (`--init benchmarks/models/states/v7-mla`), which retrieves one-fact chains at 8K (54/55) and
+# no longer one (0/45). Its first error on a chain is the first lookup whose value is a word (19 of 20 items at 2K),
+# and the chain probe isolates it: on recall documents whose facts form chains (`chain_accuracy`) it looks numbers up
+# (0.97-1.00) and word values not at all (0.00-0.01 at 4 and 8 facts), where the v7 MHA and GQA read 0.91-0.98. Every
+# recall row it trained on had number values only, and the `main` rows hold about one word lookup in a thousand
+# tokens. So: recall rows of chains (half the facts link to the next) until the probe reads >= 0.95 for words at 8
+# facts, then v7's `main` with chain rows, gated as in v7, and shorter long4k and anneal phases; v7's late RoPE.
+WORDS = replace(
+    V7,
+    phases=(
+        replace(
+            V7.phases[3],
+            name="words",
+            steps=600,
+            facts=8,
+            word_values=0.5,
+            warmup=20,
+            rope_scaling=(32.0, 512),
+            until=("chain_8_word_acc", 0.95),
+        ),
+        replace(V7.phases[5], steps=400, lr=5e-4, final_lr=1e-4, word_values=0.5),
+        replace(V7.phases[6], steps=150),
+        replace(V7.phases[7], steps=100),
+    ),
+)
+
 SMOKE = Recipe(
     vocab_size=512,
     hidden_size=32,
@@ -618,6 +647,7 @@ RECIPES = {
     "relookup": RELOOKUP,
     "keymatch": KEYMATCH,
     "chains": CHAINS,
+    "words": WORDS,
     "keymatch-mla": KEYMATCH_MLA,
     "v7": V7,
     "hops": HOPS,
@@ -759,7 +789,11 @@ class LookupDocs:
     - copy: ``<|query|> t1 .. tL<|answer|> t1 .. tL<|endoftext|>``, L in 4..24 random words and digits;
     - recall: 1..F facts in the retrieval task's own text (``<|key|> w<|value|>dddd``, :func:`retrieval.fact_text`),
       then ``<|query|>``, some of their keys and ``<|answer|>``; the target writes the queried facts in order.
-      Values are training values only (:func:`retrieval.value_split`), distinct within a document.
+      Values are training values only (:func:`retrieval.value_split`), distinct within a document. With
+      ``word_values`` the facts form the retrieval task's chains instead (a value is the next fact's key word:
+      ``<|key|> w1<|value|> w2``, ..., the last one a number), shown in random order; the query names chain heads
+      and the target writes each queried chain, as a retrieval answer does. The v7 MLA looks numbers up but not
+      word values (README, "Version 9"): digit-only recall never asked it to copy a word found by its key.
 
     And one that drills a part of the recall circuit alone:
 
@@ -787,20 +821,46 @@ class LookupDocs:
         self.train_values = [v for v in every if retrieval.value_split(v) == "train"]  # never a held-out answer
         self.max_facts, self.separator = max_facts, separator
 
-    def fact(self, word: int, value: str, separator: bool | None = None) -> list[int]:
-        """A fact's token ids, with ``<|value|>`` after the key if ``separator`` (None: the instance's format)."""
+    def fact(self, word: int, value: str | int, separator: bool | None = None) -> list[int]:
+        """A fact's token ids, with ``<|value|>`` after the key if ``separator`` (None: the instance's format); the
+        value is a number's digits or one key word's token id (a chain's hop)."""
         separator = self.separator if separator is None else separator
-        return [self.key, word] + ([self.value] if separator else []) + [self.digits[int(d)] for d in value]
+        tail = [value] if isinstance(value, int) else [self.digits[int(d)] for d in value]
+        return [self.key, word] + ([self.value] if separator else []) + tail
 
-    def recall(self, rng: random.Random, facts: int, separator: bool | None = None) -> tuple[list[int], list[int]]:
+    def recall(
+        self, rng: random.Random, facts: int, separator: bool | None = None, word_values: float = 0.0
+    ) -> tuple[list[int], list[int]]:
         """A recall document with ``facts`` facts (format as :meth:`fact`): token ids and a 0/1 target mask (1 =
-        trained on)."""
+        trained on). ``word_values`` > 0: chain documents (the class docstring), each fact but a chain's last linked
+        to the next with that probability, chains of at most ``retrieval.MAX_HOPS`` facts."""
         words = rng.sample(self.words, facts)
         values = rng.sample(self.train_values, facts)  # distinct: a wrong key never gives the right value
+        if word_values > 0:
+            return self._chain_document(rng, words, values, separator, word_values)
         ids = [t for w, v in zip(words, values) for t in self.fact(w, v, separator)]
         queried = rng.sample(range(facts), rng.randint(1, facts))
         ids += [self.query] + [words[i] for i in queried] + [self.answer]
         target = [t for i in queried for t in self.fact(words[i], values[i], separator)] + [self.eos]
+        return ids + target, [0] * len(ids) + [1] * len(target)
+
+    def _chain_document(
+        self, rng: random.Random, words: list[int], numbers: list[str], separator: bool | None, link: float
+    ) -> tuple[list[int], list[int]]:
+        chains = [[words[0]]]
+        for w in words[1:]:
+            if len(chains[-1]) < retrieval.MAX_HOPS and rng.random() < link:
+                chains[-1].append(w)
+            else:
+                chains.append([w])
+        value_of = {}
+        for chain, number in zip(chains, numbers):
+            value_of |= dict(zip(chain, chain[1:] + [number]))  # each hop names the next key, the last a number
+        shown = rng.sample(words, len(words))
+        ids = [t for w in shown for t in self.fact(w, value_of[w], separator)]
+        queried = rng.sample(chains, rng.randint(1, len(chains)))
+        ids += [self.query] + [chain[0] for chain in queried] + [self.answer]
+        target = [t for chain in queried for w in chain for t in self.fact(w, value_of[w], separator)] + [self.eos]
         return ids + target, [0] * len(ids) + [1] * len(target)
 
     def copy(self, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -819,12 +879,17 @@ class LookupDocs:
         return ids + [self.eos], mask + [1]
 
     def document(
-        self, task: str, rng: random.Random, max_facts: int | None = None, separator: bool | None = None
+        self,
+        task: str,
+        rng: random.Random,
+        max_facts: int | None = None,
+        separator: bool | None = None,
+        word_values: float = 0.0,
     ) -> tuple[list[int], list[int]]:
         """A ``"copy"``, ``"echo"`` or ``"recall"`` document (1..``max_facts`` facts, default the instance's; format
-        as :meth:`fact`) drawn from ``rng``."""
+        as :meth:`fact`; ``word_values`` as :meth:`recall`) drawn from ``rng``."""
         if task == "recall":
-            return self.recall(rng, rng.randint(1, max_facts or self.max_facts), separator)
+            return self.recall(rng, rng.randint(1, max_facts or self.max_facts), separator, word_values)
         if task == "copy":
             return self.copy(rng)
         if task == "echo":
@@ -1001,7 +1066,7 @@ class Data:
             rng = random.Random(f"lookup-row/{self.r.seed}/{g}")
             task = "copy" if letter == "y" else "recall"
             while True:
-                ids, mask = self.lookup.document(task, rng, phase.facts)
+                ids, mask = self.lookup.document(task, rng, phase.facts, word_values=phase.word_values)
                 if len(out.ids) + len(ids) > n:
                     break  # the rest of the row is topped up with code
                 add(ids, [RETRIEVAL if m else NO_LOSS for m in mask], (task, g))
@@ -1176,6 +1241,28 @@ def recall_accuracy(model: PreTrainedModel, docs: LookupDocs, facts: int, docume
                 if ids[i - 1] not in docs.digits:  # a value's first digit (after <|value|>, or the key without one)
                     key_hit, keys = key_hit + ok, keys + 1
     return {"value_acc": hit / total, "key_acc": key_hit / keys}
+
+
+CHAIN_PROBE_FACTS = (4, 8)  # facts per chain probe document
+CHAIN_PROBE_LINK = 0.5  # each fact linked to the next with this chance: about half the lookups find a word
+
+
+@torch.no_grad()
+def chain_accuracy(model: PreTrainedModel, docs: LookupDocs, facts: int, documents: int = 40) -> dict[str, float]:
+    """Argmax accuracy, teacher-forced, on the first value token of every fact the target writes, in ``documents``
+    fresh chain recall documents of ``facts`` facts (:meth:`LookupDocs.recall` with ``word_values``, fixed seed):
+    ``word_acc`` where the value is a key word (a chain's hop, the lookup the v7 MLA misses), ``number_acc`` where it
+    is a number's first digit."""
+    model.eval()
+    rng, hits = random.Random(f"chain-probe/{facts}"), {"word": [0, 0], "number": [0, 0]}
+    for _ in range(documents):
+        ids, mask = docs.recall(rng, facts, word_values=CHAIN_PROBE_LINK)
+        pred = model(input_ids=torch.tensor([ids], device=model_device(model))).logits[0].argmax(-1).tolist()
+        for i in range(1, len(ids)):
+            if mask[i] and ids[i - 1] == docs.value:  # the token after <|value|>: the looked-up value
+                h = hits["number" if ids[i] in docs.digits else "word"]
+                h[0], h[1] = h[0] + int(pred[i - 1] == ids[i]), h[1] + 1
+    return {f"{kind}_acc": right / max(1, total) for kind, (right, total) in hits.items()}
 
 
 @torch.no_grad()
@@ -1601,6 +1688,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     monitor_keys = {"tf_acc_cell", "tf_items_all_right"}
     monitor_keys |= {f"recall_{f}_{m}" for f in RECALL_PROBE_FACTS for m in ("value_acc", "key_acc")}
+    monitor_keys |= {f"chain_{f}_{m}" for f in CHAIN_PROBE_FACTS for m in ("word_acc", "number_acc")}
     monitor_keys |= {f"retrieval_{c}_tf_{m}" for c in monitor_retrieval for m in ("all", "token", "value")}
     for p in r.phases:
         if p.until is not None and (not args.monitor_every or p.until[0] not in monitor_keys):
@@ -1667,6 +1755,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 )
             for f in RECALL_PROBE_FACTS:
                 rec.update({f"recall_{f}_{m}": v for m, v in recall_accuracy(model, data.lookup, f).items()})
+            for f in CHAIN_PROBE_FACTS:
+                rec.update({f"chain_{f}_{m}": v for m, v in chain_accuracy(model, data.lookup, f).items()})
             rec["monitor_sec"] = time.time() - t_mon
         gate_passed = phase.until is not None and rec.get(phase.until[0], -math.inf) >= phase.until[1]
         if gate_passed and in_phase + 1 < phase.steps:  # the rest of the phase is skipped; its steps are recorded
@@ -1689,6 +1779,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 + " | recall value/key "
                 + " ".join(
                     f"{rec[f'recall_{f}_value_acc']:.2f}/{rec[f'recall_{f}_key_acc']:.2f}" for f in RECALL_PROBE_FACTS
+                )
+                + " | chain word/number "
+                + " ".join(
+                    f"{rec[f'chain_{f}_word_acc']:.2f}/{rec[f'chain_{f}_number_acc']:.2f}" for f in CHAIN_PROBE_FACTS
                 )
                 + f" ({rec['monitor_sec']:.0f}s)"
                 + (f" | {phase.name} ends: {phase.until[0]} >= {phase.until[1]}" if gate_passed else "")
