@@ -866,6 +866,20 @@ def test_recall_circuit_finds_the_shipped_gqa_key_match():
     assert model.config._attn_implementation == implementation
 
 
+def test_probes_print_the_shipped_gqa_key_match_and_word_lookups(capsys):
+    # probe_errors --probes: the monitor's recall and chain probes on a checkpoint; the shipped v5 GQA matches keys
+    # and follows chains (93/100 at 8K), so both its number and its word lookups read high
+    probe = _benchmark_module("probe_errors")
+    probe.main(["gqa", "--probes"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 3 + 2 and lines[0].startswith("gqa:")
+    read = {
+        line.split(":")[0].strip(): [float(x.split()[-1]) for x in line.split(":")[1].split(",")] for line in lines[1:]
+    }
+    assert set(read) == {"recall, 2 facts", "recall, 4 facts", "recall, 8 facts", "chains, 4 facts", "chains, 8 facts"}
+    assert all(0.9 <= acc <= 1 for accs in read.values() for acc in accs), read
+
+
 @pytest.mark.parametrize(
     "model_type, overrides", [("llama", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})]
 )

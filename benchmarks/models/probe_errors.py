@@ -15,6 +15,8 @@ later digits, and the end of text.
     python benchmarks/models/probe_errors.py gqa --context 512 --items 24 --attention   # where the lookup attends
     python benchmarks/models/probe_errors.py gqa --context 512 --items 8 --logits   # how its logits find the fact
     python benchmarks/models/probe_errors.py mha --recall 4 --items 30   # the key match's circuit, on recall documents
+    python benchmarks/models/probe_errors.py mla --checkpoint benchmarks/models/states/v7-mla \
+        --tokenizer-dir kvarn_mla/reference_models/gqa --probes   # the training monitor's recall and chain probes
     python benchmarks/models/probe_errors.py gqa --checkpoint benchmarks/models/states/v7-gqa \
         --tokenizer-dir kvarn_mla/reference_models/gqa --context 2048 --items 40   # a checkpoint directory
 """
@@ -35,9 +37,13 @@ if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
 from train_reference import (  # noqa: E402  (this folder is on the path)
+    CHAIN_PROBE_FACTS,
+    RECALL_PROBE_FACTS,
     LookupDocs,
     build_config,
     build_model,
+    chain_accuracy,
+    recall_accuracy,
     recipe_of_state,
     rope_of_state,
     set_rope,
@@ -303,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FACTS",
         help="instead: the key match's attention on --items recall documents of this many facts",
     )
+    parser.add_argument(
+        "--probes",
+        action="store_true",
+        help="instead: the training monitor's probes, key match on recall documents and word vs number lookups on "
+        "chain documents (40 documents each, fixed seeds)",
+    )
     parser.add_argument("--seed", type=int, default=20000, help="retrieval seed (default: the evaluation's)")
     parser.add_argument(
         "--attention",
@@ -331,6 +343,16 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(state["model"])
         set_rope(model, rope_of_state(state))
     model.eval()
+    if args.probes:
+        docs = LookupDocs(tokenizer, max_facts=max(RECALL_PROBE_FACTS + CHAIN_PROBE_FACTS))
+        print(f"{args.name}: teacher-forced argmax accuracy on the training monitor's probe documents")
+        for facts in RECALL_PROBE_FACTS:
+            acc = recall_accuracy(model, docs, facts)
+            print(f"  recall, {facts} facts: value digits {acc['value_acc']:.3f}, key match {acc['key_acc']:.3f}")
+        for facts in CHAIN_PROBE_FACTS:
+            acc = chain_accuracy(model, docs, facts)
+            print(f"  chains, {facts} facts: word values {acc['word_acc']:.3f}, numbers {acc['number_acc']:.3f}")
+        return
     if args.recall:
         print(f"{args.name}: attention on {args.items} recall documents of {args.recall} facts (layers x heads)")
         for part, weights in recall_circuit(model, tokenizer, args.recall, args.items).items():
