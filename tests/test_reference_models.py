@@ -226,26 +226,32 @@ def test_rows_of_every_kind(smoke_tokenizer):
     assert seen == {"code", "r", "o", "k", "y", "a"}
 
 
+class _NextToken(torch.nn.Module):
+    """A stand-in model for the probes: its argmax is the document's own next token, passed through ``rewrite(ids,
+    next_ids)`` (a model that misses some kind of token)."""
+
+    def __init__(self, rewrite=None) -> None:
+        super().__init__()
+        self.rewrite = rewrite
+
+    def forward(self, input_ids):
+        ids = input_ids[0]
+        nxt = torch.cat([ids[1:], ids[:1]])
+        nxt = nxt if self.rewrite is None else self.rewrite(ids, nxt)
+        return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 4096).float()[None]})()
+
+
 def test_recall_probe_tells_key_match_from_digit_copying():
     # A model that writes every value digit but the first scores high on value digits and 0 on the key match.
     tr = _train_reference()
     docs = tr.LookupDocs(AutoTokenizer.from_pretrained(reference_models.path("gqa")), max_facts=8)
 
-    class Oracle(torch.nn.Module):
-        def __init__(self, miss_first: bool) -> None:
-            super().__init__()
-            self.miss_first = miss_first
+    def miss_first_digit(ids, nxt):
+        after_value = torch.cat([ids[:-1] == docs.value, torch.tensor([False])])
+        return torch.where(after_value, torch.where(nxt == docs.digits[0], docs.digits[1], docs.digits[0]), nxt)
 
-        def forward(self, input_ids):
-            ids = input_ids[0]
-            nxt = torch.cat([ids[1:], ids[:1]])
-            after_value = torch.cat([ids[:-1] == docs.value, torch.tensor([False])])
-            wrong = torch.where(nxt == docs.digits[0], docs.digits[1], docs.digits[0])
-            nxt = torch.where(after_value & self.miss_first, wrong, nxt)
-            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 4096).float()[None]})()
-
-    assert tr.recall_accuracy(Oracle(False), docs, 4, documents=5) == {"value_acc": 1.0, "key_acc": 1.0}
-    copier = tr.recall_accuracy(Oracle(True), docs, 4, documents=5)
+    assert tr.recall_accuracy(_NextToken(), docs, 4, documents=5) == {"value_acc": 1.0, "key_acc": 1.0}
+    copier = tr.recall_accuracy(_NextToken(miss_first_digit), docs, 4, documents=5)
     assert copier["key_acc"] == 0.0 and copier["value_acc"] == 0.75  # four digits a value, the first one missed
 
 
@@ -386,20 +392,12 @@ def test_chain_probe_tells_word_lookups_from_number_lookups():
     docs = tr.LookupDocs(AutoTokenizer.from_pretrained(reference_models.path("gqa")), max_facts=8)
     words = torch.tensor(docs.words)
 
-    class Oracle(torch.nn.Module):
-        def __init__(self, miss_words: bool) -> None:
-            super().__init__()
-            self.miss_words = miss_words
+    def miss_word_values(ids, nxt):
+        word_next = torch.cat([ids[:-1] == docs.value, torch.tensor([False])]) & torch.isin(nxt, words)
+        return torch.where(word_next, docs.digits[0], nxt)
 
-        def forward(self, input_ids):
-            ids = input_ids[0]
-            nxt = torch.cat([ids[1:], ids[:1]])
-            word_next = torch.cat([ids[:-1] == docs.value, torch.tensor([False])]) & torch.isin(nxt, words)
-            nxt = torch.where(word_next & self.miss_words, docs.digits[0], nxt)
-            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, 4096).float()[None]})()
-
-    assert tr.chain_accuracy(Oracle(False), docs, 8, documents=5) == {"word_acc": 1.0, "number_acc": 1.0}
-    assert tr.chain_accuracy(Oracle(True), docs, 8, documents=5) == {"word_acc": 0.0, "number_acc": 1.0}
+    assert tr.chain_accuracy(_NextToken(), docs, 8, documents=5) == {"word_acc": 1.0, "number_acc": 1.0}
+    assert tr.chain_accuracy(_NextToken(miss_word_values), docs, 8, documents=5) == {"word_acc": 0.0, "number_acc": 1.0}
 
 
 def test_words_leg_trains_chain_recall_until_word_lookups_form():

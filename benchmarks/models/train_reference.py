@@ -126,7 +126,7 @@ class Phase:
             heads (the reasoning lookup) keep their angles while the slow pairs stop turning over long distances.
         facts: most facts in a recall document (``a`` rows), drawn uniformly from 1.
         word_values: chain recall documents (``a`` rows): the chance that a fact's value is the next fact's key
-            (:meth:`LookupDocs.recall`; 0: numbers only, as every recipe before v9).
+            (:meth:`LookupDocs.recall`; 0: numbers only, as every recipe before `words`).
         until: ``(monitor key, threshold)``: ``steps`` is then a cap and the phase ends at the first monitor point in
             it whose record has ``key >= threshold`` (the v5 lookup phases ended by count, MHA's before its lookup
             had formed). The steps a gated phase ran are kept in the training state, so a resumed run has them too.
@@ -793,7 +793,7 @@ class LookupDocs:
       ``word_values`` the facts form the retrieval task's chains instead (a value is the next fact's key word:
       ``<|key|> w1<|value|> w2``, ..., the last one a number), shown in random order; the query names chain heads
       and the target writes each queried chain, as a retrieval answer does. The v7 MLA looks numbers up but not
-      word values (README, "Version 9"): digit-only recall never asked it to copy a word found by its key.
+      word values (README, "The words leg"): digit-only recall never asked it to copy a word found by its key.
 
     And one that drills a part of the recall circuit alone:
 
