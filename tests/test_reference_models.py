@@ -38,9 +38,11 @@ def test_load_offline_and_solve_a_held_out_item(name, monkeypatch):
     assert next(model.parameters()).dtype == torch.float32 and not model.training
     if name == "mla":
         assert cfg.model_type == "deepseek_v3"
-        # the RoPE key: half a head (DeepSeek-V3's ratio) in the v1 checkpoint, a whole head from v3 on
-        rope_widths = (cfg.qk_nope_head_dim // 2, cfg.qk_nope_head_dim)
-        assert cfg.kv_lora_rank == 4 * cfg.qk_nope_head_dim and cfg.qk_rope_head_dim in rope_widths
+        # the latent is four heads wide; content and RoPE key: a head and half a head (DeepSeek-V3's ratio) in the v1
+        # checkpoint, two heads each from v6 on (the shipped words leg of v7)
+        head = cfg.hidden_size // cfg.num_attention_heads
+        assert cfg.kv_lora_rank == 4 * head
+        assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim) in {(head, head // 2), (2 * head, 2 * head)}
     else:
         assert cfg.model_type == "llama"
         assert cfg.num_attention_heads // cfg.num_key_value_heads == (4 if name == "gqa" else 1)
