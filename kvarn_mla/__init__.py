@@ -26,20 +26,22 @@ _PUBLIC = {
     "KVarNCache": "cache", "KVarNIndexedLayer": "cache", "KVarNLayer": "cache",
     "DEFAULT_PRESET": "config", "PRESETS": "config", "KVarNConfig": "config", "resolve_config": "config",
     "is_patched": "patch", "patch": "patch", "patched": "patch", "unpatch": "patch",
+    "use_padded_sdpa": "patch",
     "fake_quantize": "quant.fake",
     "TileScheme": "quant.scheme",
 }
 
 __all__ = [
     "DEFAULT_PRESET", "KVarNCache", "KVarNConfig", "KVarNIndexedLayer", "KVarNLayer", "PRESETS", "fake_quantize",
-    "TileScheme", "is_patched", "patch", "patched", "resolve_config", "supported_model_types", "unpatch", "__version__",
+    "TileScheme", "is_patched", "patch", "patched", "resolve_config", "supported_model_types", "unpatch",
+    "use_padded_sdpa", "__version__",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __getattr__
     from .adapters import supported_model_types
     from .cache import KVarNCache, KVarNIndexedLayer, KVarNLayer
     from .config import DEFAULT_PRESET, PRESETS, KVarNConfig, resolve_config
-    from .patch import is_patched, patch, patched, unpatch
+    from .patch import is_patched, patch, patched, unpatch, use_padded_sdpa
     from .quant.fake import fake_quantize
     from .quant.scheme import TileScheme
 

@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .adapters import Adapter, AttentionBinding, adapter_for, kvarn_attention
-from .adapters.base import BINDING_ATTR, to_bool_mask, token_validity
+from .adapters.base import BINDING_ATTR, PADDED_SDPA, padded_sdpa_attention, to_bool_mask, token_validity
 from .backends import resolve_backend
 from .cache import QUANTIZED_LAYER_TYPES, KVarNCache
 from .config import KVarNConfig, resolve_config
@@ -52,10 +52,38 @@ class PatchState:
 
 def _register_interfaces() -> None:
     # Registration adds a name to transformers' registries; it changes nothing for models that do not select it.
-    if ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_IMPLEMENTATION, kvarn_attention)
-    if ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    for name, attention in ((ATTN_IMPLEMENTATION, kvarn_attention), (PADDED_SDPA, padded_sdpa_attention)):
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, attention)
+        if name not in AttentionMaskInterface._global_mapping:
+            AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _fallback_for(implementation: str | None) -> str:
+    """How the patched model attends in full precision: as the unpatched one did (sdpa for anything else)."""
+    return implementation if implementation in ("eager", PADDED_SDPA) else "sdpa"
+
+
+def use_padded_sdpa(model: PreTrainedModel) -> bool:
+    """Select ``"sdpa_pad_v"`` (`kvarn_mla.adapters.base.padded_sdpa_attention`) as ``model``'s attention when it runs
+    sdpa with a value head narrower than its query head (MLA); returns whether it did.
+
+    The same attention up to rounding, through torch's fused SDPA kernel instead of its math path: on the CPU about
+    6x faster per layer at 8,192 tokens, and no ``[B, H, S, T]`` score tensor at 16K. Call it before `patch`: the
+    patched prefill then attends through it too (it attends as the unpatched model does), and `unpatch` keeps it.
+    """
+    text_config = model.config.get_text_config(decoder=True)
+    value_dim = getattr(text_config, "v_head_dim", None)
+    query_dim = getattr(text_config, "qk_head_dim", None)
+    if query_dim is None and value_dim is not None:
+        query_dim = text_config.qk_nope_head_dim + text_config.qk_rope_head_dim
+    if STATE_ATTR in model.__dict__ or text_config._attn_implementation_internal != "sdpa":
+        return False
+    if value_dim is None or value_dim >= query_dim:
+        return False
+    _register_interfaces()
+    text_config._attn_implementation_internal = PADDED_SDPA
+    return True
 
 
 def _stash_cache(module: nn.Module, args, kwargs):
@@ -114,7 +142,7 @@ def _keep_kvarn_attention(state: PatchState) -> None:
                   f"model keeps attending its KVarN cache and uses {chosen!r} for full-precision attention "
                   "(kvarn_mla.unpatch to run it unpatched)", stacklevel=3)
     for module in state.modules:
-        module.__dict__[BINDING_ATTR].fallback = "eager" if chosen == "eager" else "sdpa"
+        module.__dict__[BINDING_ATTR].fallback = _fallback_for(chosen)
     state.attn_implementation = chosen  # what unpatch restores
     state.text_config._attn_implementation_internal = ATTN_IMPLEMENTATION
 
@@ -186,7 +214,7 @@ def patch(model: PreTrainedModel, config: KVarNConfig | str | None = None, **ove
             stacklevel=2,
         )
     previous = text_config._attn_implementation_internal
-    fallback = "eager" if previous == "eager" else "sdpa"
+    fallback = _fallback_for(previous)
     state = PatchState(config, adapter, modules, text_config, previous)
     description = _describe(config, adapter, text_config)
     for module in modules:

@@ -152,3 +152,26 @@ def test_generate_from_inputs_embeds():
     expected = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
     kvarn_mla.patch(model, "k8v8")
     assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False), expected)
+
+
+def test_padded_sdpa_is_sdpa_and_the_patched_prefill_attends_through_it():
+    # MLA's value head (16) is narrower than its query head (24): `use_padded_sdpa` zero-pads it so SDPA can run its
+    # fused kernel. Same logits as plain sdpa up to rounding; a patched prefill then attends through it bit for bit.
+    model = build_model("deepseek_v3")
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert kvarn_mla.use_padded_sdpa(model)
+        assert model.config._attn_implementation == "sdpa_pad_v"
+        padded = model(ids).logits
+        torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(padded, plain)  # the fused kernel did run (a different summation order)
+        with kvarn_mla.patched(model, "k4v2"):
+            assert torch.equal(model(ids).logits, padded)
+    assert model.config._attn_implementation == "sdpa_pad_v"  # unpatch restores the choice
+    assert not kvarn_mla.use_padded_sdpa(model)  # already selected
+    assert not kvarn_mla.use_padded_sdpa(build_model("deepseek_v3", v_head_dim=24))  # as wide as the query
+    assert not kvarn_mla.use_padded_sdpa(build_model("llama"))  # dense: one head width
+    eager = build_model("deepseek_v3")
+    eager.config._attn_implementation = "eager"
+    assert not kvarn_mla.use_padded_sdpa(eager)  # an explicit choice other than sdpa is kept

@@ -61,10 +61,10 @@ from transformers import (  # noqa: E402
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
-from kvarn_mla import reference_models  # noqa: E402
+from kvarn_mla import reference_models, use_padded_sdpa  # noqa: E402
+from kvarn_mla.adapters.base import PADDED_SDPA, padded_sdpa_attention  # noqa: E402
 from kvarn_mla.evaluation import reasoning, retrieval  # noqa: E402
 from kvarn_mla.evaluation.data import corpus_info, read_code_files  # noqa: E402
 
@@ -761,18 +761,10 @@ def build_model(config: PretrainedConfig) -> PreTrainedModel:
     return cls(config)
 
 
-def _sdpa_pad_v(module, query, key, value, attention_mask, **kwargs):
-    # CPU SDPA only has a fused (flash) kernel when q/k and v share a head dim; MLA's v (64) is narrower
-    # than q/k (96), which drops it to the math path, ~10x slower at 2k tokens. Zero-padding v is exact.
-    dv = value.shape[-1]
-    if dv < query.shape[-1]:
-        value = F.pad(value, (0, query.shape[-1] - dv))
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return out[..., :dv], weights
-
-
-AttentionInterface.register("sdpa_pad_v", _sdpa_pad_v)
-AttentionMaskInterface.register("sdpa_pad_v", sdpa_mask)
+# Training attends through the library's padded sdpa (exact): MLA's value head is narrower than its query head, which
+# sends plain CPU SDPA to its math path (`kvarn_mla.adapters.base.padded_sdpa_attention`).
+AttentionInterface.register(PADDED_SDPA, padded_sdpa_attention)
+AttentionMaskInterface.register(PADDED_SDPA, sdpa_mask)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -1640,6 +1632,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     data = Data(tok, r, max_files)
     if args.eval_only:
         shipped = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
+        use_padded_sdpa(shipped)
         metrics = json.loads(results.read_text()) if results.exists() else {"name": args.name}
         evaluation = evaluate(shipped, data, args, args.smoke)
         for key, value in evaluation.items():
@@ -1813,6 +1806,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # Final evaluation runs on the checkpoint as shipped: bf16 weights, loaded back in float32.
     ckpt_bytes = save_checkpoint(model, tok, out_dir)
     shipped = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
+    use_padded_sdpa(shipped)
     evaluation = evaluate(shipped, data, args, args.smoke)
     metrics = {
         "name": args.name,

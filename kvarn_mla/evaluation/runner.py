@@ -251,8 +251,9 @@ def merge_records(into: Path, source: Path) -> tuple[int, int]:
 
 def load_model(name: str, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a bundled reference model name (``mla``, ``gqa``, ``mha``), a local directory, or
-    a hub name already in the local cache (no downloads)."""
+    a hub name already in the local cache (no downloads). An MLA model attends through `kvarn_mla.use_padded_sdpa`."""
     from .. import reference_models
+    from ..patch import use_padded_sdpa
 
     if name in reference_models.NAMES:
         return reference_models.load(name, dtype=dtype)
@@ -264,6 +265,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
     except OSError as error:
         raise ValueError(f"cannot load model {name!r} offline: give {reference_models.NAMES}, a local directory, "
                          f"or a hub name in the local cache ({error})") from None
+    use_padded_sdpa(model)
     return model.eval(), tokenizer
 
 

@@ -63,13 +63,18 @@ def load(
         device: where to put the model.
 
     Returns:
-        ``(model, tokenizer)``; ``tokenizer.eos_token`` ends a reasoning answer and separates documents.
+        ``(model, tokenizer)``; ``tokenizer.eos_token`` ends a reasoning answer and separates documents. The MLA
+        attends through ``"sdpa_pad_v"`` (`kvarn_mla.use_padded_sdpa`: the fused SDPA kernel despite its narrower
+        value head), as it was trained.
     """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from ..patch import use_padded_sdpa
 
     p = path(name)
     dtype = torch.float32 if dtype is None else dtype
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
+    use_padded_sdpa(model)
     return model.to(device).eval(), tokenizer
