@@ -51,9 +51,9 @@ def test_report_builds_every_chart(results, tmp_path):
     for heading in ("## 1. Bytes per token", "## 2. Accuracy", "## 3. Decode speed", "## 4. Discussion"):
         assert heading in text
     assert "| llama-3-8b | GQA |" in text and "| deepseek-v3 | MLA |" in text
-    assert "#### GQA: reasoning, paired (`results/accuracy/gqa-reasoning.jsonl`)" in text
+    assert "#### GQA: reasoning, paired (`accuracy/gqa-reasoning.jsonl`)" in text
     for source in ("gqa-reasoning.json", "gqa-accumulation-reasoning.json", "mla-worst-vectors.json"):
-        assert f"results/accuracy/{source}" in text  # numbers name their source
+        assert f"`accuracy/{source}`" in text  # numbers name their source, under the results directory
     html = (out / "report.html").read_text()
     assert html.count("<img") == text.count("![") and "<table>" in html
     assert html.count("<table>") == text.count("\n|---")  # every Markdown table rendered, none left as text

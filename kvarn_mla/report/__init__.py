@@ -109,7 +109,7 @@ def _accumulation_lines(family: str, model: str, suite: str, rows: dict, out: Pa
         if curves:
             charts.append(f"{suite}_{model}_{bits}bit.png")
             curve_chart(curves, f"{family} reference model, {suite}: KL at {bits} bits", out / charts[-1])
-    lines = [f"### {family}: {suite} (`results/accuracy/{model}-{suite}.json`)\n",
+    lines = [f"### {family}: {suite} (`accuracy/{model}-{suite}.json`)\n",
              f"Text: {ACCUMULATION_TEXTS[suite]}.\n",
              "| method | bits | KL last chunk | KL last chunk, static | KL mean | top-1 mean "
              "| greedy: first divergence | greedy: agreement | bytes/token (4K, all layers) |",
@@ -143,7 +143,7 @@ def method_bytes(model: str, method: str, row: dict) -> float | None:
 
 def _reasoning_lines(family: str, model: str, rows: dict) -> tuple[list[str], list[tuple[str, str, float, float]]]:
     """Exact-match table of the reasoning suite, and its (family, method, bytes, accuracy) points."""
-    lines = [f"### {family}: reasoning (`results/accuracy/{model}-reasoning.json`)\n",
+    lines = [f"### {family}: reasoning (`accuracy/{model}-reasoning.json`)\n",
              "| method | exact match | 95% CI | answer only | bytes/token (4K, all layers) |", "|---|---|---|---|---|"]
     points = []
     for method, row in rows.items():
@@ -166,7 +166,7 @@ def _paired_lines(family: str, model: str, suite: str, records: Path) -> list[st
     from ..evaluation.paired import PARTNERS, load_verdicts, paired_rows
 
     rows = paired_rows(load_verdicts(records))
-    lines = [f"#### {family}: {suite}, paired (`results/accuracy/{records.name}`)\n",
+    lines = [f"#### {family}: {suite}, paired (`accuracy/{records.name}`)\n",
              "Items right with the method minus items right with the partner at the same bit width, on the same "
              "items, and the exact McNemar p-value of the items where they disagree (p < 0.05 in bold).\n",
              "| method | exact match (95% CI) | " + " | ".join(f"vs {p}-B: items (p)" for p in PARTNERS) + " |",
@@ -181,7 +181,7 @@ def _paired_lines(family: str, model: str, suite: str, records: Path) -> list[st
 
 def _worst_lines(family: str, model: str, rows: dict) -> list[str]:
     """The worst-vectors diagnostic: how much of the KL the largest-error vectors explain."""
-    lines = [f"### {family}: worst vectors (`results/accuracy/{model}-worst-vectors.json`)\n",
+    lines = [f"### {family}: worst vectors (`accuracy/{model}-worst-vectors.json`)\n",
              "KL with every cached vector quantized, and the share of it removed by restoring the 1/5/10% of vectors "
              "with the largest error (with the share of the squared error they hold); magnitude share: the part of "
              "the error along the exact vector (scale) rather than across it (direction).\n",
@@ -233,7 +233,7 @@ def accuracy_section(results: Path, out: Path) -> tuple[list[str], dict]:
         pareto_chart(points, out / "pareto.png")
         lines.append("![reasoning accuracy vs bytes per token](pareto.png)\n")
     if not numbers:
-        lines.append("No accuracy results found under `results/accuracy/` (run `kvarn-mla report --rerun`).\n")
+        lines.append("No accuracy results found under `accuracy/` (run `kvarn-mla report --rerun`).\n")
     return lines, numbers
 
 
@@ -256,7 +256,7 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
         return lines, {}
     speed_chart(rows, out / "decode_speed.png")
     lines += [f"CPU, 2-layer models with DeepSeek-V2-Lite (MLA), Llama-3-8B (GQA) and Llama-2-7B (MHA) attention, "
-              f"random bf16 weights, batch 1 (`results/{source}`).\n",
+              f"random bf16 weights, batch 1 (`{source}`).\n",
               "| family | context | stock ms/step | k4v2 ms/step | speedup | attention speedup |",
               "|---|---|---|---|---|---|"]
     for r in rows:
@@ -264,8 +264,8 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
                      f"{r['decode_speedup']:.2f}x | {r.get('attention_speedup', float('nan')):.2f}x |")
     gpu = results / "bench_decode_gpu.csv"
     lines.append("\n![decode speed](decode_speed.png)\n")
-    lines.append("GPU results: `results/bench_decode_gpu.csv`.\n" if gpu.exists()
-                 else "GPU results: none in `results/` (`benchmarks/gpu_check.sh` measures them on a CUDA machine).\n")
+    lines.append("GPU results: `bench_decode_gpu.csv`.\n" if gpu.exists()
+                 else "GPU results: none in the results directory (`benchmarks/gpu_check.sh` measures them on a CUDA machine).\n")
     return lines, {"rows": rows}
 
 
@@ -345,7 +345,7 @@ def build_report(results: Path, out: Path, rerun: bool = False) -> Path:
     context_lines, _, context_discussion = long_context_section(results / "accuracy", out, method_bytes)
     speed_lines, speed = speed_section(results, out)
     body = ["# kvarn_mla: MHA vs GQA vs MLA under KV-cache quantization\n",
-            f"Generated by `kvarn-mla report` from `{display_path(results)}`.\n",
+            f"Generated by `kvarn-mla report` from `{display_path(results)}`; the files named below lie under it.\n",
             *byte_lines, *accuracy_lines, *context_lines, *speed_lines,
             *discussion(byte_numbers, accuracy, speed, context_discussion)]
     text = "\n".join(body)

@@ -237,7 +237,7 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
             chart = f"context_{model}.png"
             context_chart(curves, f"{family} reference model: retrieval exact match vs context", "context (tokens)",
                           out / chart)
-            lines += [f"### {family}: retrieval vs context (`results/accuracy/{model}-retrieval-N.jsonl`)\n",
+            lines += [f"### {family}: retrieval vs context (`accuracy/{model}-retrieval-N.jsonl`)\n",
                       *curve_table(curves, list(per_context), lambda n: f"{n // 1024}K"), "",
                       f"![{chart[:-4]}]({chart})\n"]
             for n, verdicts in per_context.items():
@@ -252,14 +252,14 @@ def long_context_section(accuracy: Path, out: Path, bytes_of) -> tuple[list[str]
             chart = f"length_{model}.png"
             context_chart(curves, f"{family} reference model: reasoning exact match vs scratchpad length",
                           "scratchpad length (target tokens, bin start)", out / chart)
-            lines += [f"### {family}: reasoning by scratchpad length (`results/accuracy/{model}-reasoning-tf.jsonl`)\n",
+            lines += [f"### {family}: reasoning by scratchpad length (`accuracy/{model}-reasoning-tf.jsonl`)\n",
                       *curve_table(curves, list(per_length), lambda b: f"≥{b}"), "", f"![{chart[:-4]}]({chart})\n",
                       f"#### {family}: reasoning (teacher-forced, all lengths), paired\n",
                       *paired_table(load_verdicts(tf)), ""]
     if found_goals:
         lines += [f"### Goals at {GOAL_CONTEXT:,} tokens\n", *goal_lines(found_goals), ""]
     if len(lines) == 2:
-        lines.append("No long-context records under `results/accuracy/` yet (the sweep's `retrieval-N` and "
+        lines.append("No long-context records under `accuracy/` yet (the sweep's `retrieval-N` and "
                      "`reasoning-tf` suites).\n")
     return lines, found_goals, context_discussion(per_model, sizes_of)
 
