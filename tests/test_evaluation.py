@@ -426,6 +426,7 @@ def test_sweep_method_lists_follow_the_bit_selection():
     assert select(names, ("hf-",)) == ["hf-fp8", "hf-quanto-2"]  # one process for transformers' caches ...
     assert select(names, ("kvarn", "kivi", "rot")) == names[:6]  # ... one for ours
     assert select(names, None) == names
+    assert select(names, ("kvarn-2$", "kivi-")) == ["kvarn-2", "kivi-2"]  # "$": that name, not its RoPE-bits grid
 
 
 def _held_bytes(obj, seen: set) -> int:

@@ -78,8 +78,13 @@ def retrieval_text(tokenizer, tokens: int) -> torch.Tensor:
 
 
 def select(names: list[str], families: tuple[str, ...] | None) -> list[str]:
-    """The method names that start with one of ``families`` (all of them for ``None``)."""
-    return list(names) if families is None else [n for n in names if n.startswith(tuple(families))]
+    """The method names that start with one of ``families`` (all of them for ``None``); a family ending in ``$`` is
+    a whole name (``kvarn-2$`` picks ``kvarn-2`` but not ``kvarn-2+rope_bits=4``)."""
+    if families is None:
+        return list(names)
+    exact = {f[:-1] for f in families if f.endswith("$")}
+    prefixes = tuple(f for f in families if not f.endswith("$"))
+    return [n for n in names if n in exact or n.startswith(prefixes)]
 
 
 def sweep(out: Path, models=("mla", "gqa", "mha"), items: int = 100, suites=SUITES, batch_size: int = 16,
