@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--bits", default="2,3,4", help="bit widths of the quantizers and baselines")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--families", help="only methods whose name starts with one of these (e.g. hf-); NAME$ is that name only")
+    parser.add_argument("--families",
+                        help="only methods whose name starts with one of these (e.g. hf-); NAME$ is that name only")
     parser.add_argument("--summary", action="store_true", help="only print the README table from the results")
     parser.add_argument("--no-run", action="store_true", help="only rebuild summaries and report from the records")
     parser.add_argument("--goals", action="store_true", help="only print the long-context goals table (8K)")

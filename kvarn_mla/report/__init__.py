@@ -265,7 +265,8 @@ def speed_section(results: Path, out: Path) -> tuple[list[str], dict]:
     gpu = results / "bench_decode_gpu.csv"
     lines.append("\n![decode speed](decode_speed.png)\n")
     lines.append("GPU results: `bench_decode_gpu.csv`.\n" if gpu.exists()
-                 else "GPU results: none in the results directory (`benchmarks/gpu_check.sh` measures them on a CUDA machine).\n")
+                 else "GPU results: none in the results directory (`benchmarks/gpu_check.sh` measures them on a CUDA "
+                      "machine).\n")
     return lines, {"rows": rows}
 
 
