@@ -286,3 +286,23 @@ def test_retrieval_by_chain_splits_items_by_the_queried_chain(tmp_path):
     ones = lengths.count(1)
     assert f"| 1 fact (n={ones}) |" in text and "| kvarn-2 | 0 (" in text
     assert f"| 0 / {ones}, p = " in text and "Left out (not scored on every item of fp32): rot-2." in text
+
+
+def test_checkpoint_table_marks_records_of_another_checkpoint(results, tmp_path):
+    """The report names the checkpoint its records measured and says when it is not the bundled one."""
+    from kvarn_mla.report import bundled_digest, checkpoint_lines
+
+    accuracy = tmp_path / "accuracy"
+    shutil.copytree(results / "accuracy", accuracy)  # tiny models: no record is of a bundled checkpoint
+    lines = checkpoint_lines(accuracy)
+    rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| GQA") or line.startswith("| MLA")}
+    assert set(rows) == {"| GQA (`gqa`)", "| MLA (`mla`)"}
+    assert all(row.endswith("| **no** |") for row in rows.values())
+    summary = json.loads((accuracy / "gqa-accumulation.json").read_text())
+    for path in accuracy.glob("gqa-*.json"):  # the same records, as if measured on the bundled GQA
+        data = json.loads(path.read_text())
+        data["run"]["model"]["digest"] = bundled_digest("gqa")
+        path.write_text(json.dumps(data))
+    gqa = next(line for line in checkpoint_lines(accuracy) if line.startswith("| GQA"))
+    assert gqa.endswith("| yes |") and bundled_digest("gqa") in gqa
+    assert summary["run"]["model"]["digest"] not in gqa
