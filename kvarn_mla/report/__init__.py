@@ -248,7 +248,7 @@ def bundled_digest(model: str) -> str | None:
 
     try:
         return model_identity(load(model)[0])["digest"]
-    except (FileNotFoundError, OSError, ValueError):
+    except (OSError, ValueError):  # FileNotFoundError is an OSError
         return None
 
 
@@ -268,11 +268,11 @@ def checkpoint_lines(accuracy: Path) -> list[str]:
              "the bundled checkpoint's. Records of a checkpoint that is no longer bundled measure that checkpoint, "
              "not the bundled one.\n",
              "| model | records of | bundled | same |", "|---|---|---|---|"]
-    for model in ("mha", "gqa", "mla"):
+    for model, family in FAMILY_OF.items():
         if model in seen:
             bundled = bundled_digest(model)
             same = "yes" if seen[model] == {bundled} else "**no**"
-            lines.append(f"| {FAMILY_OF[model]} (`{model}`) | {', '.join(f'`{d}`' for d in sorted(seen[model]))} | "
+            lines.append(f"| {family} (`{model}`) | {', '.join(f'`{d}`' for d in sorted(seen[model]))} | "
                          f"{f'`{bundled}`' if bundled else 'none'} | {same} |")
     return lines + [""]
 
