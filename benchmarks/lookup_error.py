@@ -15,7 +15,8 @@ a library method: rotation-only with the Hadamard mixing channels only within ea
 
     python benchmarks/lookup_error.py --model gqa --text reasoning --items 8
     python benchmarks/lookup_error.py --model gqa --text retrieval
-    python benchmarks/lookup_error.py --model gqa --first-misses benchmarks/results/shipped/accuracy/gqa-reasoning-tf.jsonl
+    python benchmarks/lookup_error.py --model benchmarks/models/states/v5-gqa \
+        --first-misses benchmarks/results/three-recipes/accuracy/gqa-reasoning-tf.jsonl   # the records' checkpoint
 
 ``--first-misses RECORDS`` only tabulates where the teacher-forced first misses of a ``reasoning-tf`` record file
 fall: how many tokens the 16-bit tail held when the missed token was predicted (items right at 16 bits only).

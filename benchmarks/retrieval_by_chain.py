@@ -5,7 +5,8 @@ Where a 16-bit model follows only one-fact chains (the v7 GQA and MLA), its quan
 those items. Rebuilds each item from the records' seed and context (the tokenizer of ``--model``) and prints, per
 method, right of n (Wilson 95%) per chain length, and paired against 16-bit on the one-fact items (exact McNemar).
 
-    python benchmarks/retrieval_by_chain.py benchmarks/results/shipped/accuracy/mha-retrieval-8192.jsonl --model mha
+    python benchmarks/retrieval_by_chain.py benchmarks/results/three-recipes/accuracy/mha-retrieval-8192.jsonl \
+        --model mha
 """
 
 from __future__ import annotations
