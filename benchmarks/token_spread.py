@@ -12,7 +12,10 @@ median per-token std of the entries, the token-std spread ``max σ_t / min σ_t`
 whose normalization is not uniform (it changes the codes), and the relative error of the 2-bit per-channel round
 trip with KVarN's normalization and without it (rotation-only), ``|x - Q(x)| / |x|`` over the tiles:
 
-    python benchmarks/token_spread.py --tokens 2048 --out benchmarks/results/three-recipes/token_spread.md
+    python benchmarks/token_spread.py --tokens 2048 --out token_spread.md
+
+(``benchmarks/results/three-recipes/token_spread.md`` is this table for the set bundled until 2026-12-07; it runs on
+whichever checkpoints are bundled, so a new run goes next to the records of those.)
 """
 
 from __future__ import annotations

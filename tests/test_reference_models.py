@@ -412,7 +412,6 @@ def test_words_leg_trains_chain_recall_until_word_lookups_form():
     assert all(p.word_values == 0 for recipe in (tr.V7, tr.V8) for p in recipe.phases)
 
 
-
 def test_words_settle_leg_takes_the_same_steps_on_every_model():
     # one recipe for the three: no gate may end a phase early on one architecture and not on another
     tr = _train_reference()
@@ -420,6 +419,7 @@ def test_words_settle_leg_takes_the_same_steps_on_every_model():
     assert all(p.until is None for p in tr.WORDS_SETTLE.phases) and tr.RECIPES["words-settle"] is tr.WORDS_SETTLE
     assert chains.word_values > 0 and "a" in chains.mix and chains.lr < tr.WORDS.phases[1].lr
     assert anneal.context == 4096 and anneal.lr <= tr.WORDS.phases[3].lr
+
 
 def test_training_script_smoke(tmp_path):
     train_reference = _train_reference()
