@@ -214,6 +214,11 @@ def test_long_context_section_states_goals_from_paired_records(tmp_path):
     failed = goals("mha", retrieval_verdicts(failing, "mha"), {})
     assert all(g.met is None and not g.judged and "3/100" in g.evidence for g in failed)
     assert all("| no verdict |" in line for line in goal_lines(failed)[2:])
+    # exactly 2 points below 16-bit is within 2 points (0.88 - 0.90 is -0.020000000000000018 in floats)
+    edge = tmp_path / "edge"
+    edge.mkdir()
+    write_verdicts(edge / "gqa-retrieval-8192.jsonl", {"fp32": ok(90), "kvarn-4": ok(88)})
+    assert goals("gqa", retrieval_verdicts(edge, "gqa"), {})[0].met is True
 
     lines, _, discussion = long_context_section(accuracy, tmp_path,
                                                 lambda model, method, row: row.get("bytes_per_token_4k"))
