@@ -8,7 +8,10 @@ import pytest
 import torch
 from conftest import load_benchmark
 
+from kvarn_mla import reference_models
+from kvarn_mla.evaluation import reasoning
 from kvarn_mla.evaluation.methods import parse_method
+from kvarn_mla.evaluation.tasks import reasoning_items, teacher_forced_items
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,19 @@ def test_only_the_chosen_layer_is_quantized(tiny, one_layer):
 
 def test_run_scores_every_layer_and_restores_the_check(one_layer):
     check = sys.modules["kvarn_mla.patch"]._check_cache_fits
-    result = one_layer.run("gqa", "kvarn-4", 1)
-    assert len(result["right_by_layer"]) == 4 and set(result["right_by_layer"]) <= {0, 1}
+    result = one_layer.run("gqa", "kvarn-2,rot-2+value_bits=16", 2)
+    labels = ["fp32"] + [f"{p}{suffix}" for p in ("kvarn-2", "rot-2+value_bits=16")
+                         for suffix in ("", "@0", "@1", "@2", "@3")]
+    assert list(result["exact"]) == labels and all(len(v) == 2 for v in result["exact"].values())
+    assert result["right"] == {label: sum(v) for label, v in result["exact"].items()}
     assert sys.modules["kvarn_mla.patch"]._check_cache_fits is check
+    # the preset on every layer, inside the mixed grid, gives the verdicts it gets scored on its own
+    model, tok = reference_models.load("gqa")
+    model.float().eval()
+    items = reasoning_items(tok, 2, task=reasoning.task_of(model.config))
+    alone = [r["exact"] for r in teacher_forced_items(model, tok, items, parse_method("kvarn-2"))]
+    assert result["exact"]["kvarn-2"] == alone
     with pytest.raises(SystemExit, match="KVarN method"):
         one_layer.run("gqa", "fp32", 1)
+    with pytest.raises(SystemExit, match="--task"):
+        one_layer.run("gqa", "kvarn-2", 1, task="summaries")
