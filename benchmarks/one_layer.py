@@ -39,7 +39,7 @@ _patch_module = sys.modules["kvarn_mla.patch"]  # the module (``kvarn_mla.patch`
 
 
 class OneLayerMethod(Method):
-    """A KVarN method whose caches quantize only layer ``cache_kwargs["layer"]``."""
+    """A KVarN method whose caches quantize only layer ``cache_kwargs["layer"]`` (named ``PRESET@LAYER``)."""
 
     def new_cache(self, model) -> KVarNCache:
         cache = KVarNCache(model, self.config)
@@ -82,22 +82,21 @@ def run(model_name: str, presets: str | Sequence[str], items: int, *, task: str 
         task_items = retrieval_items(tok, context, SWEEP_SEED, items)
     else:
         raise SystemExit(f"--task must be reasoning or retrieval, got {task!r}")
-    methods: list[tuple[str, Method]] = [("fp32", parse_method("fp32"))]
+    methods: list[Method] = [parse_method("fp32")]
     for base in bases:
-        methods.append((base.name, base))
-        methods += [(f"{base.name}@{layer}", OneLayerMethod(base.name, base.kind, base.config,
-                                                               cache_kwargs={"layer": layer}))
+        methods.append(base)
+        methods += [OneLayerMethod(f"{base.name}@{layer}", base.kind, base.config, cache_kwargs={"layer": layer})
                     for layer in range(model.config.num_hidden_layers)]
-    label_of = {id(method): label for label, method in methods}
-    exact: dict[str, list[bool]] = {label: [] for label, _ in methods}
+    exact: dict[str, list[bool]] = {method.name: [] for method in methods}
+    where = f"{model_name} {task}" + ("" if task == "reasoning" else f" {context}")
     with allow_mixed_caches():
-        for method, record in teacher_forced_grid(model, tok, task_items, [m for _, m in methods]):
-            exact[label_of[id(method)]].append(bool(record["exact"]))
-            if method is methods[-1][1]:
-                print(f"{model_name} {task}: {len(exact['fp32'])}/{items} items", flush=True)
+        for method, record in teacher_forced_grid(model, tok, task_items, methods):
+            exact[method.name].append(bool(record["exact"]))
+            if method is methods[-1]:
+                print(f"{where}: {len(exact['fp32'])}/{items} items", flush=True)
     right = {label: sum(v) for label, v in exact.items()}
     for label, n in right.items():
-        print(f"{model_name} {task}{'' if task == 'reasoning' else f' {context}'}: {label}: {n}/{items} right")
+        print(f"{where}: {label}: {n}/{items} right")
     return {"model": model_name, "task": task, "context": context if task == "retrieval" else None, "items": items,
             "ids": [item.id for item in task_items], "exact": exact, "right": right}
 

@@ -21,7 +21,7 @@ def one_layer():
 
 def _method(one_layer, layer: int):
     base = parse_method("kvarn-2")
-    return one_layer.OneLayerMethod(base.name, base.kind, base.config, cache_kwargs={"layer": layer})
+    return one_layer.OneLayerMethod(f"{base.name}@{layer}", base.kind, base.config, cache_kwargs={"layer": layer})
 
 
 def test_only_the_chosen_layer_is_quantized(tiny, one_layer):
@@ -54,8 +54,7 @@ def test_run_scores_every_layer_and_restores_the_check(one_layer):
     assert result["right"] == {label: sum(v) for label, v in result["exact"].items()}
     assert sys.modules["kvarn_mla.patch"]._check_cache_fits is check
     # the preset on every layer, inside the mixed grid, gives the verdicts it gets scored on its own
-    model, tok = reference_models.load("gqa")
-    model.float().eval()
+    model, tok = reference_models.load("gqa")  # float32, eval mode
     items = reasoning_items(tok, 2, task=reasoning.task_of(model.config))
     alone = [r["exact"] for r in teacher_forced_items(model, tok, items, parse_method("kvarn-2"))]
     assert result["exact"]["kvarn-2"] == alone
